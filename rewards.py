@@ -1,0 +1,178 @@
+"""Reward functions: the calling convention, loading by name, validation, and the built-in rewards.
+
+Interface (same as TRL's GRPOTrainer/RLOOTrainer, SPEC §5): a reward function is called as
+    f(prompts=[...], completions=[...], completion_ids=[...], **dataset_columns, **extra)
+with one entry per completion (each prompt repeated G times) and returns a list of float | None of the same
+length. None means "does not apply to this completion". `async def` functions run concurrently.
+"""
+
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import os
+import re
+import threading
+
+import torch
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Built-in rewards
+# ---------------------------------------------------------------------------------------------------------------
+
+def _text(completion):
+    """Completion text, for standard (str) and conversational ([{"role": "assistant", "content": ...}]) prompts."""
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
+def task_reward(completions, target, **kwargs):
+    """Embedded task: per-position partial credit, matches / max(len(completion), len(target)), in [0, 1].
+
+    1.0 only for the exact target; extra or missing characters cost as much as wrong ones.
+    """
+    rewards = []
+    for completion, want in zip(completions, target):
+        got = _text(completion)
+        rewards.append(sum(a == b for a, b in zip(got, want)) / max(len(got), len(want), 1))
+    return rewards
+
+
+def accuracy_reward(completions, solution, **kwargs):
+    """1.0 if the completion's final answer equals `solution` (math-verify), else 0.0; None if the gold won't parse."""
+    from math_verify import LatexExtractionConfig, NormalizationConfig, parse, verify
+
+    # math-verify's timeouts use signal.alarm, which only works on the main thread (reward fns may run in threads)
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    answer_config = [LatexExtractionConfig(
+        normalization_config=NormalizationConfig(nits=False, malformed_operators=False, basic_latex=True,
+                                                 boxed="all", units=True),
+        boxed_match_priority=0, try_extract_without_anchor=False)]
+    rewards = []
+    for completion, gold in zip(completions, solution):
+        gold_parsed = parse(gold, extraction_mode="first_match", parsing_timeout=timeout)
+        if not gold_parsed:
+            rewards.append(None)
+            continue
+        answer = parse(_text(completion), extraction_config=answer_config, extraction_mode="first_match",
+                       parsing_timeout=timeout)
+        rewards.append(float(verify(gold_parsed, answer, timeout_seconds=timeout)))
+    return rewards
+
+
+def think_format_reward(completions, **kwargs):
+    """1.0 if the completion is `<think>...</think>` followed by an answer, with exactly one think block."""
+    pattern = re.compile(r"^<think>(?!.*<think>)(.*?)</think>.*$", re.DOTALL)
+    return [1.0 if pattern.match(_text(c)) else 0.0 for c in completions]
+
+
+def soft_overlong_punishment(max_completion_len, soft_punish_cache):
+    """DAPO's soft overlong penalty (Yu et al. 2025, eq. 13) as a reward function of completion length L:
+    0 if L <= max - cache;  (max - cache - L) / cache if max - cache < L <= max;  -1 beyond.
+    """
+    def soft_overlong_punishment_reward(completion_ids, **kwargs):
+        rewards = []
+        for ids in completion_ids:
+            length = len(ids)
+            if length <= max_completion_len - soft_punish_cache:
+                rewards.append(0.0)
+            elif length <= max_completion_len:
+                rewards.append((max_completion_len - soft_punish_cache - length) / soft_punish_cache)
+            else:
+                rewards.append(-1.0)
+        return rewards
+    return soft_overlong_punishment_reward
+
+
+BUILTINS = {f.__name__: f for f in (task_reward, accuracy_reward, think_format_reward)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading by name (CLI) and calling
+# ---------------------------------------------------------------------------------------------------------------
+
+def load_reward_func(spec):
+    """'accuracy_reward' (built-in) | 'pkg.module:fn' | 'path/to/file.py:fn' -> callable. Errors list the options."""
+    if spec in BUILTINS:
+        return BUILTINS[spec]
+    if ":" in spec:
+        source, name = spec.rsplit(":", 1)
+        if source.endswith(".py"):
+            if not os.path.isfile(source):
+                raise ValueError(f"reward function file {source!r} does not exist")
+            module_spec = importlib.util.spec_from_file_location(os.path.basename(source)[:-3], source)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            try:
+                module = importlib.import_module(source)
+            except ImportError as e:
+                raise ValueError(f"cannot import module {source!r} for reward function {spec!r}: {e}") from None
+        if not callable(getattr(module, name, None)):
+            raise ValueError(f"{source!r} has no function {name!r} (reward function {spec!r})")
+        return getattr(module, name)
+    raise ValueError(f"unknown reward function {spec!r}: use a built-in ({', '.join(BUILTINS)}), "
+                     "'module:function', 'file.py:function', or the path of a sequence-classification model")
+
+
+def reward_name(func):
+    """Metric name of a reward function: __name__, through functools.partial and callable objects."""
+    while hasattr(func, "func"):  # functools.partial
+        func = func.func
+    return getattr(func, "__name__", None) or type(func).__name__
+
+
+def _is_async(func):
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None))
+
+
+def _validate(name, values, n):
+    """list[float | None] of length n -> list[float] with NaN for None; anything else is a clear error."""
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    if not hasattr(values, "__len__") or isinstance(values, (str, dict)) or len(values) != n:
+        got = f"length {len(values)}" if hasattr(values, "__len__") else type(values).__name__
+        raise ValueError(f"reward function {name!r} must return a list of {n} floats (one per completion), got {got}")
+    out = []
+    for i, v in enumerate(values):
+        if v is None:
+            out.append(math.nan)
+        elif isinstance(v, numbers.Real) and math.isfinite(v):
+            out.append(float(v))
+        else:
+            problem = "a non-finite value" if isinstance(v, numbers.Real) else f"a {type(v).__name__}"
+            raise ValueError(f"reward function {name!r} returned {problem} ({v!r}) for completion {i}; "
+                             "return a finite float, or None when the function does not apply")
+    return out
+
+
+def compute_rewards(funcs, prompts, completions, completion_ids, columns, **extra):
+    """Call every reward function on the B completions -> [B, K] float tensor, NaN where a function returned None.
+
+    Sync functions run one after another; async ones run concurrently on one event loop (asyncio.gather).
+    """
+    kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns, **extra)
+    names = [reward_name(f) for f in funcs]
+
+    def call(name, func):
+        try:
+            return func(**kwargs)
+        except Exception as e:
+            raise RuntimeError(f"reward function {name!r} raised {type(e).__name__}: {e} (traceback above)") from e
+
+    async def call_async(name, func):
+        try:
+            return await func(**kwargs)
+        except Exception as e:
+            raise RuntimeError(f"reward function {name!r} raised {type(e).__name__}: {e} (traceback above)") from e
+
+    outputs = {k: call(names[k], f) for k, f in enumerate(funcs) if not _is_async(f)}
+    async_ids = [k for k, f in enumerate(funcs) if _is_async(f)]
+    if async_ids:
+        async def gather():
+            return await asyncio.gather(*(call_async(names[k], funcs[k]) for k in async_ids))
+        outputs.update(zip(async_ids, asyncio.run(gather())))
+    columns_out = [_validate(names[k], outputs[k], len(completions)) for k in range(len(funcs))]
+    return torch.tensor(columns_out, dtype=torch.float32).T.reshape(len(completions), len(funcs))  # [B, K]

@@ -1,0 +1,85 @@
+"""RLOO math: pure functions on tensors. No I/O, no distributed calls, no models.
+
+Notation (SPEC §1): B completions, T completion tokens, V vocabulary, G completions per prompt.
+Paper: Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning
+from Human Feedback in LLMs", §3 (RLOO estimator, sequence-level KL-shaped reward).
+"""
+
+import torch
+
+LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: large enough never to bind on sane data, small enough to never overflow
+
+
+def token_logps_and_entropy(logits, token_ids, temperature=1.0):
+    """Per-token log pi(o_t) and entropy of softmax(logits / temperature).
+
+    logits [B, T, V] (position t predicts token_ids[:, t]), token_ids [B, T] -> logps [B, T], entropy [B, T].
+    log p = logit[o_t] - logsumexp(logits): no [B, T, V] log-softmax copy. The logsumexp runs row by row
+    so its temporaries are one [T, V] at a time. Entropy carries no gradient (it is a metric).
+    """
+    if temperature != 1.0:
+        logits = logits / temperature
+    picked = logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1).float()  # [B, T]
+    logsumexp = torch.stack([torch.logsumexp(row.float(), dim=-1) for row in logits])  # [B, T]
+    with torch.no_grad():
+        # H = logsumexp(z) - sum_v softmax(z)_v z_v
+        entropy = torch.stack([lse - (torch.softmax(row.float(), -1) * row.float()).sum(-1)
+                               for lse, row in zip(logsumexp, logits)])  # [B, T]
+    return picked - logsumexp, entropy
+
+
+def sequence_kl(logps, ref_logps, mask):
+    """k1 estimator summed over completion tokens: kl_i = sum_t (log pi_old(o_t) - log pi_ref(o_t)).  [B]"""
+    return ((logps - ref_logps) * mask).sum(-1)
+
+
+def combine_rewards(rewards_per_func, weights, clip_range=None):
+    """R_i = sum_k w_k R_ik over the functions that scored completion i (NaN = returned None).
+
+    rewards_per_func [B, K], weights [K] -> [B]; NaN where every function returned None (unscorable).
+    """
+    scored = ~torch.isnan(rewards_per_func)  # [B, K]
+    total = (torch.nan_to_num(rewards_per_func) * weights).sum(-1)  # [B]
+    if clip_range is not None:
+        total = total.clamp(clip_range[0], clip_range[1])
+    return torch.where(scored.any(-1), total, torch.nan)
+
+
+def rloo_advantages(rewards, num_generations):
+    """Leave-one-out advantages within each group of G consecutive completions.
+
+    b_i = (sum_{j != i} r_j) / (n - 1),  A_i = r_i - b_i  = n/(n-1) * (r_i - mean(r)),
+    over the n scorable (non-NaN) members of the group. Unscorable members and groups with n < 2 get A = 0.
+    rewards [B] (B = P*G, group members adjacent) -> advantages [B].
+    """
+    grouped = rewards.view(-1, num_generations)  # [P, G]
+    valid = ~torch.isnan(grouped)
+    n = valid.sum(-1, keepdim=True)  # [P, 1]
+    r = torch.nan_to_num(grouped)
+    baseline = (r.sum(-1, keepdim=True) - r) / (n - 1).clamp(min=1)  # [P, G]
+    advantages = torch.where(valid & (n >= 2), r - baseline, 0.0)
+    return advantages.view(-1)
+
+
+def normalize_advantages(advantages):
+    """A <- (A - mean A) / (std A + 1e-4) over the whole global batch (pass every rank's advantages)."""
+    return (advantages - advantages.mean()) / (advantages.std() + 1e-4)
+
+
+def rloo_loss(logps, old_logps, advantages, epsilon_low, epsilon_high, num_sequences):
+    """Sequence-level clipped surrogate, summed here and divided by the optimizer step's sequence count.
+
+    logps, old_logps [B] sequence log-probs s_i = sum_t log pi(o_t) (sum, not mean); advantages [B].
+    rho = exp(clamp(s - s_old, -20, 20));  L = -(1/N) sum_i min(rho A, clip(rho, 1-eps_low, 1+eps_high) A)
+    where N = num_sequences counts every sequence of the optimizer step (all micro-batches, all ranks),
+    so summing micro-batch losses and averaging gradients over ranks gives the mean over the step.
+    With old_logps = logps.detach() (num_iterations == 1) rho == 1 and the gradient is REINFORCE's A grad s.
+    Returns the loss and per-sequence clip indicators (low, high) for the clip_ratio metrics.
+    """
+    ratio = torch.exp((logps - old_logps).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B]
+    clipped_ratio = ratio.clamp(1 - epsilon_low, 1 + epsilon_high)
+    surrogate = torch.min(ratio * advantages, clipped_ratio * advantages)  # [B]
+    loss = -surrogate.sum() / num_sequences
+    low = (ratio < 1 - epsilon_low) & (advantages < 0)  # the clip bound is the active branch of the min
+    high = (ratio > 1 + epsilon_high) & (advantages > 0)
+    return loss, low.detach(), high.detach()

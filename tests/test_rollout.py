@@ -1,0 +1,94 @@
+"""rollout.py: prompt formatting, EOS masks, truncation, and the sampler's log-probs against a full forward."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import rollout
+import train
+
+
+def gen_cfg(**overrides):
+    base = dict(num_generations=3, max_completion_length=6, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
+                repetition_penalty=1.0)
+    return SimpleNamespace(**{**base, **overrides})
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tokenizer, dataset = train.embedded_task(seed=0)
+    return model, tokenizer, dataset
+
+
+def test_completion_masks_cut_at_first_eos_and_flag_truncation():
+    eos, pad = 1, 0
+    ids = torch.tensor([[5, 6, 1, 7, 1],   # EOS at 2: keep 3 tokens, later tokens become padding
+                        [1, 4, 4, 4, 4],   # EOS first: a 1-token completion
+                        [5, 6, 7, 8, 9]])  # no EOS: truncated, all 5 tokens count
+    out_ids, mask, truncated = rollout.completion_masks(ids, [eos], pad)
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
+    assert out_ids.tolist() == [[5, 6, 1, 0, 0], [1, 0, 0, 0, 0], [5, 6, 7, 8, 9]]
+    assert truncated.tolist() == [False, False, True]
+    # several EOS ids (e.g. <|im_end|> and <|endoftext|>): the first of any of them ends the completion
+    _, mask, truncated = rollout.completion_masks(torch.tensor([[5, 9, 1, 2]]), [1, 9], pad)
+    assert mask.tolist() == [[1, 1, 0, 0]] and truncated.tolist() == [False]
+
+
+def test_prompt_texts_apply_chat_template_only_to_conversations(tiny):
+    _, tok, _ = train.embedded_task(seed=0)
+    tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    conversation = [{"role": "user", "content": "12="}]
+    assert rollout.prompt_texts(tok, ["12=", conversation]) == ["12=", "<user>12=<assistant>"]
+    assert rollout.is_conversational(conversation) and not rollout.is_conversational("12=")
+
+
+def test_generate_groups_masks_and_padding(tiny):
+    model, tokenizer, _ = tiny
+    torch.manual_seed(0)
+    out = rollout.generate(model, tokenizer, ["123=", "4=", "98765="], gen_cfg(), torch.device("cpu"))
+    B, T = out["completion_ids"].shape
+    assert B == 9 and T <= 6
+    # left padding: the prompt block of "4=" starts with padding, group members repeat their prompt
+    assert out["prompt_mask"][3].tolist()[:4] == [0, 0, 0, 0] and out["prompt_mask"][6].all()
+    assert torch.equal(out["prompt_ids"][0], out["prompt_ids"][2])
+    eos = tokenizer.eos_token_id
+    for ids, mask, trunc, lst in zip(out["completion_ids"], out["completion_mask"], out["truncated"],
+                                     out["completion_lists"]):
+        n = int(mask.sum())
+        assert mask[:n].all() and not mask[n:].any()
+        assert lst == ids[:n].tolist()
+        assert trunc.item() == (eos not in lst)
+        if not trunc:
+            assert lst[-1] == eos and lst.count(eos) == 1  # ends at the first EOS, which is kept
+        else:
+            assert n == 6
+        assert (ids[n:] == tokenizer.pad_token_id).all()
+
+
+@pytest.mark.parametrize("knobs", [dict(), dict(temperature=0.7, top_k=5, top_p=0.9, repetition_penalty=1.3)])
+def test_sampler_logps_equal_a_full_forward(tiny, knobs):
+    """The recorded log-probs are log softmax(logits / T) of the sampled tokens: the same numbers the training
+    forward computes, so they can stand in for the separate scoring pass (SPEC §2). Filters don't enter them."""
+    model, tokenizer, _ = tiny
+    cfg = gen_cfg(**knobs)
+    torch.manual_seed(1)
+    out = rollout.generate(model, tokenizer, ["123=", "4=", "98765="], cfg, torch.device("cpu"))
+    with torch.no_grad():
+        logps, _, T = train.forward_logps(model, out, slice(None), cfg.temperature, torch.autocast("cpu", enabled=False))
+    mask = out["completion_mask"][:, :T]
+    torch.testing.assert_close(out["sampler_logps"][:, :T] * mask, logps * mask, atol=1e-5, rtol=0)
+
+
+def test_model_generation_config_does_not_leak_into_sampling(tiny):
+    """A model shipping top_k=1 (greedy-like) must not change our sampling: completions stay diverse."""
+    model, tokenizer, _ = tiny
+    shipped = model.generation_config
+    model.generation_config.top_k = 1
+    try:
+        torch.manual_seed(0)
+        out = rollout.generate(model, tokenizer, ["123="], gen_cfg(num_generations=8), torch.device("cpu"))
+    finally:
+        model.generation_config.top_k = None
+    assert model.generation_config is shipped
+    assert len({tuple(x) for x in out["completion_lists"]}) > 1

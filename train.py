@@ -1,0 +1,554 @@
+"""RLOO fine-tuning of a causal language model: config, setup, the training loop.
+
+Run the embedded default (a tiny model learns a toy task on CPU in a few minutes, no network):
+    python train.py
+    torchrun --standalone --nproc_per_node=2 train.py
+A real model and dataset (one node, 8 GPUs; FSDP2 shards policy and reference):
+    torchrun --standalone --nproc_per_node=8 train.py --model Qwen/Qwen2-0.5B-Instruct \
+        --dataset trl-lib/DeepMath-103K --reward_funcs accuracy_reward --output_dir runs/deepmath
+Every flag: python train.py --help.
+
+One step (SPEC §1): sample G completions for each of P prompts per rank -> score them -> shape the reward with the
+sequence KL to the reference, r = R - beta * kl -> leave-one-out advantages A_i = r_i - mean_{j != i} r_j ->
+one optimizer step on L = -mean_i min(rho_i A_i, clip(rho_i) A_i), rho_i = exp(s_i - s_i_old).
+"""
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, get_scheduler
+
+import rewards as rewards_lib
+import rollout
+from rloo import (combine_rewards, normalize_advantages, rloo_advantages, rloo_loss, sequence_kl,
+                  token_logps_and_entropy)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Config: one dataclass; every field's help text is what `--help` prints. Names and defaults follow TRL's RLOOConfig.
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Config:
+    # model and data
+    model: str | None = field(default=None, metadata={"help": "Policy: Hub id or local directory of a causal LM. Unset: the embedded tiny model and task."})
+    dataset: str | None = field(default=None, metadata={"help": "Hub dataset name, local directory (save_to_disk or data files), or a .json/.jsonl/.parquet/.csv file. Needs a 'prompt' column."})
+    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name (load_dataset's `name`)."})
+    dataset_split: str = field(default="train", metadata={"help": "Dataset split to train on."})
+    reward_funcs: list[str] | None = field(default=None, metadata={"help": "Reward functions: built-in names (task_reward, accuracy_reward, think_format_reward), module:function or file.py:function."})
+    reward_weights: list[float] | None = field(default=None, metadata={"help": "One weight per reward function (default: all 1.0)."})
+    reward_clip_range: list[float] | None = field(default=None, metadata={"help": "Two numbers MIN MAX: clip the combined reward to [MIN, MAX] before the KL penalty."})
+    chat_template_kwargs: str | None = field(default=None, metadata={"help": "JSON dict of extra arguments for the chat template, e.g. '{\"enable_thinking\": false}'."})
+    shuffle_dataset: bool = field(default=True, metadata={"help": "Shuffle prompts (seeded; reshuffled each epoch)."})
+    # generation
+    num_generations: int = field(default=2, metadata={"help": "G: completions sampled per prompt (>= 2, the leave-one-out group)."})
+    max_completion_length: int = field(default=256, metadata={"help": "Most tokens generated per completion; one that ends without EOS is truncated."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature; log-probs are of softmax(logits / temperature)."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling: keep the smallest token set with this much probability."})
+    top_k: int = field(default=0, metadata={"help": "Keep only the k most likely tokens (0: off)."})
+    min_p: float | None = field(default=None, metadata={"help": "Drop tokens below min_p times the top token's probability."})
+    repetition_penalty: float = field(default=1.0, metadata={"help": "Penalty (> 1) on tokens already in the prompt or completion."})
+    # RLOO
+    beta: float = field(default=0.05, metadata={"help": "KL coefficient: r = R - beta * sum_t (log pi_old - log pi_ref). 0: no reference model."})
+    epsilon: float = field(default=0.2, metadata={"help": "Lower clip range of the ratio rho (and upper one unless epsilon_high is set)."})
+    epsilon_high: float | None = field(default=None, metadata={"help": "Upper clip range of rho (default: epsilon)."})
+    num_iterations: int = field(default=1, metadata={"help": "mu: optimizer passes over each generated batch (> 1 makes the clipped surrogate matter)."})
+    normalize_advantages: bool = field(default=False, metadata={"help": "Normalize advantages to mean 0, std 1 over the global batch."})
+    mask_truncated_completions: bool = field(default=False, metadata={"help": "Truncated completions get no gradient and no KL (they still count in the mean and in baselines)."})
+    # optimization
+    learning_rate: float = field(default=1e-6, metadata={"help": "AdamW peak learning rate."})
+    lr_scheduler_type: str = field(default="linear", metadata={"help": "transformers scheduler name: linear, cosine, constant, constant_with_warmup, ..."})
+    warmup_ratio: float = field(default=0.0, metadata={"help": "Fraction of steps spent warming the learning rate up from 0."})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Clip the global gradient norm to this (0: no clipping)."})
+    per_device_train_batch_size: int = field(default=8, metadata={"help": "Completions per rank per micro-step."})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-steps per optimizer step; per_device_train_batch_size * this must be divisible by num_generations."})
+    max_steps: int = field(default=-1, metadata={"help": "Optimizer steps to run (-1: num_train_epochs over the dataset)."})
+    num_train_epochs: float = field(default=1.0, metadata={"help": "Passes over the prompts, when max_steps is -1."})
+    seed: int = field(default=42, metadata={"help": "Seed of model init and prompt order; rank r samples with seed + r."})
+    bf16: bool = field(default=True, metadata={"help": "bf16 compute with fp32 master weights (autocast; FSDP2 MixedPrecisionPolicy when sharded)."})
+    gradient_checkpointing: bool = field(default=True, metadata={"help": "Recompute activations in backward to save memory."})
+    # logging and output
+    logging_steps: int = field(default=10, metadata={"help": "Log metrics averaged over this many optimizer steps."})
+    output_dir: str = field(default="runs/rloo", metadata={"help": "Where metrics.jsonl, wandb files and the final Hugging Face model go."})
+    report_to: Literal["none", "wandb"] = field(default="none", metadata={"help": "'wandb' also logs to Weights & Biases (WANDB_MODE=offline works without network)."})
+    run_name: str | None = field(default=None, metadata={"help": "Run name for wandb."})
+
+
+# `python train.py` with no --model: a tiny model learns the embedded task on CPU. These replace the defaults above
+# (flags given on the command line still win) because the paper-scale defaults (lr 1e-6, bf16) are for real models.
+EMBEDDED_PRESET = dict(
+    reward_funcs=["task_reward"], num_generations=8, max_completion_length=8, per_device_train_batch_size=64,
+    learning_rate=3e-3, beta=0.0, warmup_ratio=0.05, max_steps=200, bf16=False, gradient_checkpointing=False,
+    output_dir="runs/embedded")
+
+
+def fail(message):
+    """Stop with one clear line (no traceback): for bad input found at start-up."""
+    raise SystemExit(f"error: {message}")
+
+
+def parse_config(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    parser = HfArgumentParser(Config, description=__doc__.split("\n\n")[0], epilog=(
+        "Without --model the embedded preset applies (flags still override it): "
+        + ", ".join(f"{k}={v}" for k, v in EMBEDDED_PRESET.items())))
+    if not any(a == "--model" or a.startswith("--model=") for a in argv):
+        parser.set_defaults(**EMBEDDED_PRESET)
+    (cfg,) = parser.parse_args_into_dataclasses(argv)
+    return cfg
+
+
+def check_config(cfg, world_size):
+    """Every invalid combination fails here, before any model is loaded."""
+    per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+    if cfg.num_generations < 2:
+        fail(f"num_generations={cfg.num_generations}: RLOO needs at least 2 completions per prompt for the "
+             "leave-one-out baseline; set --num_generations 2 or more")
+    if per_rank % cfg.num_generations:
+        fail(f"per_device_train_batch_size * gradient_accumulation_steps = {per_rank} completions per rank is not "
+             f"divisible by num_generations={cfg.num_generations}; a prompt's group must stay on one rank")
+    if cfg.beta < 0:
+        fail(f"beta={cfg.beta} must be >= 0")
+    if cfg.num_iterations < 1:
+        fail(f"num_iterations={cfg.num_iterations} must be >= 1")
+    if not 0 <= cfg.epsilon < 1 or (cfg.epsilon_high is not None and cfg.epsilon_high < 0):
+        fail(f"epsilon={cfg.epsilon} must be in [0, 1) and epsilon_high={cfg.epsilon_high} >= 0")
+    if cfg.temperature <= 0:
+        fail(f"temperature={cfg.temperature} must be > 0 (sampling needs a proper distribution)")
+    if cfg.max_completion_length < 1:
+        fail(f"max_completion_length={cfg.max_completion_length} must be >= 1")
+    if not cfg.reward_funcs:
+        fail("no reward function: pass --reward_funcs NAME [NAME ...]")
+    if cfg.reward_weights is not None and len(cfg.reward_weights) != len(cfg.reward_funcs):
+        fail(f"{len(cfg.reward_weights)} reward_weights for {len(cfg.reward_funcs)} reward_funcs; give one weight each")
+    if cfg.reward_clip_range is not None and (len(cfg.reward_clip_range) != 2
+                                              or cfg.reward_clip_range[0] > cfg.reward_clip_range[1]):
+        fail(f"reward_clip_range={cfg.reward_clip_range}: give two numbers MIN MAX with MIN <= MAX")
+    if cfg.chat_template_kwargs is not None:
+        try:
+            cfg.chat_template_kwargs = json.loads(cfg.chat_template_kwargs)
+        except json.JSONDecodeError as e:
+            fail(f"chat_template_kwargs is not valid JSON ({e}): pass e.g. '{{\"enable_thinking\": false}}'")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Setup: distributed, embedded task, model, data
+# ---------------------------------------------------------------------------------------------------------------
+
+def setup_distributed():
+    """(rank, world_size, device). The same code runs as one process and under torchrun (NCCL on GPU, gloo on CPU)."""
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def embedded_task(seed, num_rows=4096):
+    """A tiny Qwen2 model, a character tokenizer and a verifiable task, all built locally (no network).
+
+    Task: reverse a string of 3-5 digits ("4172=" -> "2714"). task_reward gives per-position partial credit, so a
+    random policy scores ~0.05-0.1 and the reward climbs as the model learns where each digit goes.
+    """
+    from datasets import Dataset
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    vocab = ["<pad>", "<eos>", "<unk>", "="] + list("0123456789")
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")  # one token per character
+    tok.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    model_config = Qwen2Config(vocab_size=len(vocab), hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                               tie_word_embeddings=True, eos_token_id=1, pad_token_id=0, bos_token_id=1)
+    torch.manual_seed(seed)  # same initial weights on every rank
+    model = Qwen2ForCausalLM(model_config)
+    g = torch.Generator().manual_seed(seed)
+    digits = ["".join(str(d) for d in torch.randint(0, 10, (int(torch.randint(3, 6, (1,), generator=g)),),
+                                                     generator=g).tolist()) for _ in range(num_rows)]
+    dataset = Dataset.from_dict({"prompt": [s + "=" for s in digits], "target": [s[::-1] for s in digits]})
+    return model, tokenizer, dataset
+
+
+def load_model(name, bf16_supported=True):
+    """Causal LM from a local directory or the Hub, fp32 master weights; a clear error when it cannot be found."""
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        where = "local directory" if os.path.isdir(name) else "local directory or reachable Hub model"
+        fail(f"cannot load model {name!r} as a {where}: {str(e).splitlines()[0]}")
+    return model, tokenizer
+
+
+def load_data(cfg):
+    """Any `datasets` source: a Hub name, a save_to_disk directory, a data directory or a json/jsonl/parquet/csv file."""
+    import datasets
+
+    path = cfg.dataset
+    try:
+        if os.path.isfile(path):
+            kind = {".jsonl": "json"}.get(os.path.splitext(path)[1], os.path.splitext(path)[1].lstrip("."))
+            dataset = datasets.load_dataset(kind, data_files=path, split=cfg.dataset_split)
+        elif os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json")):
+            dataset = datasets.load_from_disk(path)
+        elif os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_dict.json")):
+            dataset = datasets.load_from_disk(path)[cfg.dataset_split]
+        else:
+            dataset = datasets.load_dataset(path, cfg.dataset_config, split=cfg.dataset_split)
+    except (FileNotFoundError, ValueError, KeyError, datasets.exceptions.DatasetNotFoundError) as e:
+        fail(f"cannot load dataset {path!r} (split {cfg.dataset_split!r}): {str(e).splitlines()[0]}")
+    if "prompt" not in dataset.column_names:
+        fail(f"dataset {path!r} has no 'prompt' column (columns: {dataset.column_names}); rename the column "
+             "holding the prompts to 'prompt'")
+    if len(dataset) == 0:
+        fail(f"dataset {path!r} split {cfg.dataset_split!r} is empty")
+    return dataset
+
+
+def prepare_model(model, cfg, world_size, trainable):
+    """Dropout off (it would make the sampler and the trainer different policies), checkpointing, FSDP2 sharding."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    if hasattr(model.config, "attention_dropout"):
+        model.config.attention_dropout = 0.0
+    if trainable and cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not trainable:
+        model.requires_grad_(False).eval()
+    if world_size > 1:
+        # Shard each decoder layer, then the root (embeddings, head, tied weights). Params and compute in bf16,
+        # gradient reduction in fp32 (SPEC §3, bf16 default).
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cfg.bf16 else None, reduce_dtype=torch.float32)
+        layer_types = tuple(getattr(model, "_no_split_modules", None) or ())
+        for module in model.modules():
+            if type(module).__name__ in layer_types:
+                fully_shard(module, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+    return model
+
+
+def prompt_indices(step, num_rows, prompts_per_rank, rank, world_size, seed, shuffle):
+    """Dataset rows of generation step `step` for this rank: a pure function of the step, so resuming is exact.
+
+    Every rank draws the same seeded permutation of each epoch and takes its own disjoint slice.
+    """
+    per_step = prompts_per_rank * world_size
+    epoch, i = divmod(step, num_rows // per_step)
+    order = (torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch)) if shuffle
+             else torch.arange(num_rows))
+    start = i * per_step + rank * prompts_per_rank
+    return order[start:start + prompts_per_rank].tolist()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-step helpers
+# ---------------------------------------------------------------------------------------------------------------
+
+def forward_logps(model, batch, rows, temperature, autocast):
+    """Per-token log pi_T and entropy of the completion tokens of batch[rows], padding trimmed to these rows.
+
+    Position ids follow the left padding (as in generate), and logits are computed for completion positions only.
+    """
+    prompt_mask, completion_mask = batch["prompt_mask"][rows], batch["completion_mask"][rows]
+    prompt_len, completion_len = int(prompt_mask.sum(-1).max()), int(completion_mask.sum(-1).max())
+    prompt_ids = batch["prompt_ids"][rows, -prompt_len:]
+    completion_ids = batch["completion_ids"][rows, :completion_len]
+    input_ids = torch.cat([prompt_ids, completion_ids], 1)  # [b, L+T]
+    attention_mask = torch.cat([prompt_mask[:, -prompt_len:], completion_mask[:, :completion_len]], 1)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    with autocast:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       logits_to_keep=completion_len + 1, use_cache=False).logits[:, :-1]  # [b, T, V]
+    logps, entropy = token_logps_and_entropy(logits, completion_ids, temperature)  # [b, T]
+    return logps, entropy, completion_len
+
+
+def micro_batches(batch_size, micro_size):
+    return [slice(i, i + micro_size) for i in range(0, batch_size, micro_size)]
+
+
+def gather(tensor, world_size):
+    """Concatenate a [..., B] tensor from every rank along the last dim (metrics and global normalization)."""
+    if world_size == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(world_size)]
+    dist.all_gather(parts, tensor.contiguous())
+    return torch.cat(parts, -1)
+
+
+def nanstd(x):
+    x = x[~torch.isnan(x)]
+    return x.std().item() if x.numel() > 1 else float("nan")
+
+
+def generation_metrics(rewards_per_func, names, weights, shaped, lengths, truncated, kl_sums, loss_tokens, G):
+    """Step metrics on the gathered global batch (TRL's names, SPEC §7)."""
+    reward = combine_rewards(rewards_per_func, weights)  # before KL and clipping
+    terminated = lengths[~truncated.bool()]
+    m = {"reward": reward.nanmean().item(), "reward_std": nanstd(reward),
+         "frac_reward_zero_std": torch.nan_to_num(shaped.view(-1, G).std(-1), nan=0.0).eq(0).float().mean().item(),
+         "completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
+         "completions/max_length": lengths.max().item(), "completions/clipped_ratio": truncated.float().mean().item(),
+         "completions/mean_terminated_length": terminated.mean().item() if len(terminated) else float("nan"),
+         "completions/min_terminated_length": terminated.min().item() if len(terminated) else float("nan"),
+         "completions/max_terminated_length": terminated.max().item() if len(terminated) else float("nan")}
+    for k, name in enumerate(names):
+        m[f"rewards/{name}/mean"] = rewards_per_func[:, k].nanmean().item()
+        m[f"rewards/{name}/std"] = nanstd(rewards_per_func[:, k])
+    if kl_sums is not None:
+        m["kl"] = (kl_sums.sum() / loss_tokens.sum().clamp(min=1)).item()  # token-weighted mean of k1
+    return m
+
+
+class Logger:
+    """Rank 0 writes metrics.jsonl, a progress bar and wandb; other ranks get the same calls as no-ops."""
+
+    def __init__(self, cfg, total_steps, is_main):
+        self.is_main, self.window, self.wandb = is_main, {}, None
+        if not is_main:
+            return
+        from tqdm import tqdm
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        self.jsonl = open(os.path.join(cfg.output_dir, "metrics.jsonl"), "a")
+        self.bar = tqdm(total=total_steps, desc="rloo", dynamic_ncols=True)
+        if cfg.report_to == "wandb":
+            import wandb
+            self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "rloo"), name=cfg.run_name,
+                                    config=asdict(cfg), dir=cfg.output_dir)
+
+    def add(self, metrics):
+        for key, value in metrics.items():
+            self.window.setdefault(key, []).append(value)
+
+    def log(self, step):
+        """Average the window (skipping NaN), then write it everywhere."""
+        means = {k: (sum(v) / len(v) if v else None) for k, v in
+                 ((k, [x for x in vs if not math.isnan(x)]) for k, vs in self.window.items())}
+        self.window = {}
+        if not self.is_main:
+            return means
+        self.jsonl.write(json.dumps({"step": step, **means}) + "\n")
+        self.jsonl.flush()
+        self.bar.write(f"step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in means.items() if v is not None
+                                                   and "/" not in k or k.startswith("completions/mean_len")))
+        if self.wandb:
+            self.wandb.log({k: v for k, v in means.items() if v is not None}, step=step)
+        return means
+
+    def advance(self, reward):
+        if self.is_main:
+            self.bar.update(1)
+            self.bar.set_postfix(reward=f"{reward:.3f}")
+
+    def close(self):
+        if self.is_main:
+            self.bar.close()
+            self.jsonl.close()
+            if self.wandb:
+                self.wandb.finish()
+
+
+def save_hf(model, tokenizer, path, is_main):
+    """Final model in Hugging Face format (from_pretrained / vLLM load it). FSDP2 shards are gathered to rank 0 only."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if is_main:
+        model.save_pretrained(path, state_dict=state_dict)
+        tokenizer.save_pretrained(path)
+
+
+def show_samples(title, prompts, completions, rewards, n=3):
+    print(f"--- {title} ---")
+    for p, c, r in list(zip(prompts, completions, rewards))[:n]:
+        print(f"  {p!r} -> {c!r}  reward={r:.2f}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------------------------
+
+def main(argv=None):
+    cfg = parse_config(argv)
+    rank, world_size, device = setup_distributed()
+    is_main = rank == 0
+    check_config(cfg, world_size)
+    G, eps_high = cfg.num_generations, cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
+    reward_funcs = []
+    for spec in cfg.reward_funcs:
+        try:
+            reward_funcs.append(rewards_lib.load_reward_func(spec))
+        except ValueError as e:
+            fail(str(e))
+    reward_names = [rewards_lib.reward_name(f) for f in reward_funcs]
+    reward_weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_funcs))
+
+    # --- model, reference, data ---
+    if cfg.model is None:
+        model, tokenizer, dataset = embedded_task(cfg.seed)
+        ref_model = embedded_task(cfg.seed)[0] if cfg.beta > 0 else None
+    else:
+        model, tokenizer = load_model(cfg.model)
+        ref_model = load_model(cfg.model)[0] if cfg.beta > 0 else None  # beta == 0: never loaded (SPEC §1.4)
+    if cfg.dataset is not None:
+        dataset = load_data(cfg)
+    elif cfg.model is not None:
+        fail("--model needs --dataset (a dataset with a 'prompt' column)")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = prepare_model(model.to(device), cfg, world_size, trainable=True)
+    if ref_model is not None:
+        ref_model = prepare_model(ref_model.to(device), cfg, world_size, trainable=False)
+    columns = [c for c in dataset.column_names if c != "prompt"]
+
+    per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # completions per rank per step
+    prompts_per_rank = per_rank // G
+    if len(dataset) < prompts_per_rank * world_size:
+        fail(f"dataset has {len(dataset)} rows but one step needs {prompts_per_rank * world_size} prompts; "
+             "lower per_device_train_batch_size or gradient_accumulation_steps")
+    steps_per_epoch = len(dataset) // (prompts_per_rank * world_size)
+    total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch) * cfg.num_iterations
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
+                              num_training_steps=total_steps)
+    # bf16: FSDP2's MixedPrecisionPolicy casts when sharded; a single process uses autocast over fp32 weights.
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16 and world_size == 1)
+    torch.manual_seed(cfg.seed + rank)  # each rank samples different completions for its prompts
+    logger = Logger(cfg, total_steps, is_main)
+    if is_main:
+        print(f"rloo: {world_size} process(es) on {device}, {sum(p.numel() for p in model.parameters()):,} params "
+              f"(per rank), {per_rank * world_size} completions/step, {total_steps} steps -> {cfg.output_dir}")
+    num_tokens, step, batch = 0, 0, None
+
+    while step < total_steps:
+        t_start = time.perf_counter()
+        # ======== 1. Sample: G completions per prompt (SPEC §1.1-1.2) ========
+        rows = dataset[prompt_indices(step // cfg.num_iterations, len(dataset), prompts_per_rank, rank, world_size,
+                                      cfg.seed, cfg.shuffle_dataset)]
+        prompts = [p for p in rows["prompt"] for _ in range(G)]  # [B], group members adjacent
+        batch = rollout.generate(model, tokenizer, rollout.prompt_texts(tokenizer, rows["prompt"],
+                                                                        cfg.chat_template_kwargs), cfg, device)
+        t_generated = time.perf_counter()
+        texts = tokenizer.batch_decode(batch["completion_lists"], skip_special_tokens=True)
+        completions = [[{"role": "assistant", "content": t}] if rollout.is_conversational(p) else t
+                       for p, t in zip(prompts, texts)]
+        loss_mask = batch["completion_mask"].float()  # [B, T]
+        if cfg.mask_truncated_completions:
+            loss_mask = loss_mask * (~batch["truncated"]).float()[:, None]
+
+        # ======== 2. Score (SPEC §1.3) ========
+        rewards_per_func = rewards_lib.compute_rewards(
+            reward_funcs, prompts, completions, batch["completion_lists"],
+            {c: [v for v in rows[c] for _ in range(G)] for c in columns}, step=step).to(device)  # [B, K]
+        rewards = combine_rewards(rewards_per_func, reward_weights.to(device), cfg.reward_clip_range)  # [B]
+
+        # ======== 3. KL penalty r = R - beta * kl (paper §3; k1 with the sampler's log-probs as log pi_old) ========
+        kl_sums = None
+        if cfg.beta > 0:
+            with torch.no_grad():
+                ref_logps = torch.zeros_like(batch["sampler_logps"])  # [B, T]
+                for mb in micro_batches(per_rank, cfg.per_device_train_batch_size):
+                    logps, _, T = forward_logps(ref_model, batch, mb, cfg.temperature, autocast)
+                    ref_logps[mb, :T] = logps
+            kl_sums = sequence_kl(batch["sampler_logps"], ref_logps, loss_mask)  # [B]
+            rewards = rewards - cfg.beta * kl_sums
+
+        # ======== 4. Leave-one-out advantages (SPEC §1.5) ========
+        advantages = rloo_advantages(rewards, G)  # [B]
+        if cfg.normalize_advantages:
+            advantages = normalize_advantages(gather(advantages, world_size)).view(world_size, -1)[rank]
+        t_scored = time.perf_counter()
+
+        gen_metrics = generation_metrics(
+            gather(rewards_per_func.T, world_size).T, reward_names, reward_weights.to(device),
+            gather(rewards, world_size), gather(batch["completion_mask"].sum(-1).float(), world_size),
+            gather(batch["truncated"].float(), world_size),
+            None if kl_sums is None else gather(kl_sums, world_size), gather(loss_mask.sum(-1), world_size), G)
+        step_tokens = gather((batch["prompt_mask"].sum(-1) + batch["completion_mask"].sum(-1)).float(), world_size)
+        if step == 0 and is_main:
+            show_samples("before training", prompts, texts, rewards_per_func.nansum(-1).tolist())
+
+        # ======== 5. Policy update: num_iterations passes, each one optimizer step (SPEC §1.6-1.7) ========
+        old_logps = None  # num_iterations > 1: s_old of every sequence, stored by the first pass
+        for iteration in range(cfg.num_iterations):
+            t_train = time.perf_counter()
+            stored, loss_sum, low, high, entropy_sum = [], 0.0, 0, 0, 0.0
+            mbs = micro_batches(per_rank, cfg.per_device_train_batch_size)
+            for i, mb in enumerate(mbs):
+                if isinstance(model, FSDPModule):  # reduce-scatter gradients only on the last micro-step
+                    model.set_requires_gradient_sync(i == len(mbs) - 1)
+                logps, entropy, T = forward_logps(model, batch, mb, cfg.temperature, autocast)
+                mask = loss_mask[mb, :T]
+                seq_logps = (logps * mask).sum(-1)  # [b]  s_i = sum_t log pi(o_t)
+                # num_iterations == 1: rho == 1 exactly, no scoring pass; else s_old from the first pass, same weights
+                seq_old = seq_logps.detach() if old_logps is None else old_logps[mb]
+                loss, is_low, is_high = rloo_loss(seq_logps, seq_old, advantages[mb], cfg.epsilon, eps_high,
+                                                  per_rank)
+                loss.backward()
+                stored.append(seq_logps.detach())
+                loss_sum += loss.detach()
+                low, high = low + is_low.sum(), high + is_high.sum()
+                entropy_sum += (entropy * mask).sum()
+            if old_logps is None and cfg.num_iterations > 1:
+                old_logps = torch.cat(stored)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            t_end = time.perf_counter()
+
+            # ======== metrics ========
+            train_stats = torch.stack([loss_sum, low.float(), high.float(), entropy_sum, loss_mask.sum()]).float()
+            if world_size > 1:
+                dist.all_reduce(train_stats)
+            loss_total, low_total, high_total, entropy_total, token_total = train_stats.tolist()
+            num_tokens += step_tokens.sum().item()
+            n_seq = per_rank * world_size
+            logger.add({**(gen_metrics if iteration == 0 else {}),
+                        "loss": loss_total / world_size, "grad_norm": grad_norm.item(),
+                        "learning_rate": scheduler.get_last_lr()[0], "entropy": entropy_total / max(token_total, 1),
+                        "clip_ratio/low_mean": low_total / n_seq, "clip_ratio/high_mean": high_total / n_seq,
+                        "clip_ratio/region_mean": (low_total + high_total) / n_seq, "num_tokens": num_tokens,
+                        "step_time": t_end - (t_start if iteration == 0 else t_train),
+                        "tokens_per_second/generation": (gather(batch["completion_mask"].sum(-1).float(), world_size).sum().item()
+                                                         / (t_generated - t_start)),
+                        "tokens_per_second/training": step_tokens.sum().item() / (t_end - t_train)})
+            logger.advance(gen_metrics["reward"])
+            if step % cfg.logging_steps == 0 or step == total_steps:
+                logger.log(step)
+            if step >= total_steps:
+                break
+
+    if is_main:
+        show_samples("after training", prompts, texts, rewards_per_func.nansum(-1).tolist())
+    save_hf(model, tokenizer, cfg.output_dir, is_main)
+    logger.close()
+    if is_main:
+        print(f"rloo: metrics in {os.path.join(cfg.output_dir, 'metrics.jsonl')}, final model in {cfg.output_dir}")
+    if world_size > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
