@@ -42,12 +42,12 @@ def task_reward(completions, target, **kwargs):
 
 def accuracy_reward(completions, solution, **kwargs):
     """1.0 if the completion's final answer equals `solution` (math-verify), else 0.0; None if the gold won't parse."""
-    from math_verify import LatexExtractionConfig, NormalizationConfig, parse, verify
+    from math_verify import LatexExtractionConfig, LatexNormalizationConfig, parse, verify
 
     # math-verify's timeouts use signal.alarm, which only works on the main thread (reward fns may run in threads)
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     answer_config = [LatexExtractionConfig(
-        normalization_config=NormalizationConfig(nits=False, malformed_operators=False, basic_latex=True,
+        normalization_config=LatexNormalizationConfig(nits=False, malformed_operators=False, basic_latex=True,
                                                  boxed="all", units=True),
         boxed_match_priority=0, try_extract_without_anchor=False)]
     rewards = []

@@ -86,9 +86,9 @@ class Config:
 # `python train.py` with no --model: a tiny model learns the embedded task on CPU. These replace the defaults above
 # (flags given on the command line still win) because the paper-scale defaults (lr 1e-6, bf16) are for real models.
 EMBEDDED_PRESET = dict(
-    reward_funcs=["task_reward"], num_generations=8, max_completion_length=8, per_device_train_batch_size=64,
-    learning_rate=3e-3, beta=0.0, warmup_ratio=0.05, max_steps=200, bf16=False, gradient_checkpointing=False,
-    output_dir="runs/embedded")
+    reward_funcs=["task_reward"], num_generations=8, max_completion_length=5, per_device_train_batch_size=128,
+    learning_rate=1e-3, lr_scheduler_type="constant", beta=0.0, max_steps=800, bf16=False,
+    gradient_checkpointing=False, output_dir="runs/embedded")
 
 
 def fail(message):
@@ -161,31 +161,32 @@ def setup_distributed():
 def embedded_task(seed, num_rows=4096):
     """A tiny Qwen2 model, a character tokenizer and a verifiable task, all built locally (no network).
 
-    Task: reverse a string of 3-5 digits ("4172=" -> "2714"). task_reward gives per-position partial credit, so a
-    random policy scores ~0.05-0.1 and the reward climbs as the model learns where each digit goes.
+    Task: copy a 4-digit string ("4172=" -> "4172", then EOS). task_reward gives per-position partial credit, so a
+    random policy scores ~0.1 and the reward climbs as the model learns to attend to the digit 5 positions back
+    and to stop.
     """
     from datasets import Dataset
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    vocab = ["<pad>", "<eos>", "<unk>", "="] + list("0123456789")
-    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="<unk>"))
+    # No <pad> or <unk> the policy could sample and the decoder would hide: padding is EOS, as in many real LMs.
+    vocab = ["<eos>", "="] + list("0123456789")
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="<eos>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")  # one token per character
     tok.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<eos>", eos_token="<eos>")
     model_config = Qwen2Config(vocab_size=len(vocab), hidden_size=64, intermediate_size=256, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                               tie_word_embeddings=True, eos_token_id=1, pad_token_id=0, bos_token_id=1)
+                               tie_word_embeddings=True, eos_token_id=0, pad_token_id=0, bos_token_id=0)
     torch.manual_seed(seed)  # same initial weights on every rank
     model = Qwen2ForCausalLM(model_config)
     g = torch.Generator().manual_seed(seed)
-    digits = ["".join(str(d) for d in torch.randint(0, 10, (int(torch.randint(3, 6, (1,), generator=g)),),
-                                                     generator=g).tolist()) for _ in range(num_rows)]
-    dataset = Dataset.from_dict({"prompt": [s + "=" for s in digits], "target": [s[::-1] for s in digits]})
+    digits = ["".join(map(str, row)) for row in torch.randint(0, 10, (num_rows, 4), generator=g).tolist()]
+    dataset = Dataset.from_dict({"prompt": [s + "=" for s in digits], "target": digits})
     return model, tokenizer, dataset
 
 
-def load_model(name, bf16_supported=True):
+def load_model(name):
     """Causal LM from a local directory or the Hub, fp32 master weights; a clear error when it cannot be found."""
     try:
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
@@ -326,7 +327,7 @@ class Logger:
             return
         from tqdm import tqdm
         os.makedirs(cfg.output_dir, exist_ok=True)
-        self.jsonl = open(os.path.join(cfg.output_dir, "metrics.jsonl"), "a")
+        self.jsonl = open(os.path.join(cfg.output_dir, "metrics.jsonl"), "w")
         self.bar = tqdm(total=total_steps, desc="rloo", dynamic_ncols=True)
         if cfg.report_to == "wandb":
             import wandb
@@ -346,8 +347,9 @@ class Logger:
             return means
         self.jsonl.write(json.dumps({"step": step, **means}) + "\n")
         self.jsonl.flush()
-        self.bar.write(f"step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in means.items() if v is not None
-                                                   and "/" not in k or k.startswith("completions/mean_len")))
+        shown = ["reward", "reward_std", "kl", "entropy", "completions/mean_length", "loss", "grad_norm", "step_time"]
+        self.bar.write(f"step {step}: " + " ".join(f"{k.split('/')[-1]}={means[k]:.4g}" for k in shown
+                                                   if means.get(k) is not None))
         if self.wandb:
             self.wandb.log({k: v for k, v in means.items() if v is not None}, step=step)
         return means
@@ -375,10 +377,74 @@ def save_hf(model, tokenizer, path, is_main):
         tokenizer.save_pretrained(path)
 
 
+def score(cfg, batch, prompts, texts, columns, reward_funcs, reward_weights, ref_model, autocast, step, world_size):
+    """Rewards, KL-shaped rewards and leave-one-out advantages of one generation batch (SPEC §1.3-1.5).
+
+    Returns a dict: rewards_per_func [B, K] (NaN = None), rewards [B] (after clip and KL), kl_sums [B] or None,
+    loss_mask [B, T], advantages [B].
+    """
+    G = cfg.num_generations
+    completions = [[{"role": "assistant", "content": t}] if rollout.is_conversational(p) else t
+                   for p, t in zip(prompts, texts)]
+    loss_mask = batch["completion_mask"].float()  # [B, T]
+    if cfg.mask_truncated_completions:  # no gradient and no KL; they still count in the mean and the baselines
+        loss_mask = loss_mask * (~batch["truncated"]).float()[:, None]
+    rewards_per_func = rewards_lib.compute_rewards(
+        reward_funcs, prompts, completions, batch["completion_lists"],
+        {c: [v for v in values for _ in range(G)] for c, values in columns.items()}, step=step)  # [B, K]
+    rewards_per_func = rewards_per_func.to(loss_mask.device)
+    rewards = combine_rewards(rewards_per_func, reward_weights.to(loss_mask.device), cfg.reward_clip_range)  # [B]
+    kl_sums = None
+    if cfg.beta > 0:  # r = R - beta * kl, k1 with the sampler's log-probs as log pi_old (paper §3, SPEC §2)
+        with torch.no_grad():
+            ref_logps = torch.zeros_like(batch["sampler_logps"])  # [B, T]
+            for mb in micro_batches(len(rewards), cfg.per_device_train_batch_size):
+                logps, _, T = forward_logps(ref_model, batch, mb, cfg.temperature, autocast)
+                ref_logps[mb, :T] = logps
+        kl_sums = sequence_kl(batch["sampler_logps"], ref_logps, loss_mask)  # [B]
+        rewards = rewards - cfg.beta * kl_sums
+    advantages = rloo_advantages(rewards, G)  # [B]
+    if cfg.normalize_advantages:  # over the global batch: every rank normalizes the same gathered vector
+        rank = dist.get_rank() if world_size > 1 else 0
+        advantages = normalize_advantages(gather(advantages, world_size)).view(world_size, -1)[rank]
+    return dict(rewards_per_func=rewards_per_func, rewards=rewards, kl_sums=kl_sums, loss_mask=loss_mask,
+                advantages=advantages)
+
+
+def policy_step(cfg, model, optimizer, scheduler, batch, loss_mask, advantages, old_logps, autocast, num_sequences):
+    """One optimizer step over the batch in micro-batches of per_device_train_batch_size (SPEC §1.6-1.7).
+
+    old_logps None: on-policy pass, s_old = s.detach() so rho == 1 (no scoring pass, SPEC §2).
+    Returns the sequence log-probs s [B] (the s_old of later passes) and local sums for the metrics.
+    """
+    eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
+    mbs = micro_batches(len(advantages), cfg.per_device_train_batch_size)
+    seq_logps_all, stats = [], torch.zeros(5, device=advantages.device)  # loss, low, high, entropy sum, tokens
+    for i, mb in enumerate(mbs):
+        if isinstance(model, FSDPModule):  # reduce-scatter gradients once, on the last micro-step
+            model.set_requires_gradient_sync(i == len(mbs) - 1)
+        logps, entropy, T = forward_logps(model, batch, mb, cfg.temperature, autocast)  # [b, T]
+        mask = loss_mask[mb, :T]
+        seq_logps = (logps * mask).sum(-1)  # [b]  s_i = sum_t log pi(o_t)
+        seq_old = seq_logps.detach() if old_logps is None else old_logps[mb]
+        loss, low, high = rloo_loss(seq_logps, seq_old, advantages[mb], cfg.epsilon, eps_high, num_sequences)
+        loss.backward()
+        seq_logps_all.append(seq_logps.detach())
+        stats += torch.stack([loss.detach(), low.sum(), high.sum(), (entropy * mask).sum(), mask.sum()]).float()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a replicated DTensor
+        grad_norm = grad_norm.full_tensor()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return torch.cat(seq_logps_all), stats, grad_norm
+
+
 def show_samples(title, prompts, completions, rewards, n=3):
-    print(f"--- {title} ---")
+    from tqdm import tqdm  # tqdm.write keeps the progress bar intact
+    tqdm.write(f"--- {title} ---")
     for p, c, r in list(zip(prompts, completions, rewards))[:n]:
-        print(f"  {p!r} -> {c!r}  reward={r:.2f}")
+        tqdm.write(f"  {p!r} -> {c!r}  reward={r:.2f}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -390,7 +456,7 @@ def main(argv=None):
     rank, world_size, device = setup_distributed()
     is_main = rank == 0
     check_config(cfg, world_size)
-    G, eps_high = cfg.num_generations, cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
+    G = cfg.num_generations
     reward_funcs = []
     for spec in cfg.reward_funcs:
         try:
@@ -432,11 +498,11 @@ def main(argv=None):
     # bf16: FSDP2's MixedPrecisionPolicy casts when sharded; a single process uses autocast over fp32 weights.
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16 and world_size == 1)
     torch.manual_seed(cfg.seed + rank)  # each rank samples different completions for its prompts
-    logger = Logger(cfg, total_steps, is_main)
     if is_main:
         print(f"rloo: {world_size} process(es) on {device}, {sum(p.numel() for p in model.parameters()):,} params "
               f"(per rank), {per_rank * world_size} completions/step, {total_steps} steps -> {cfg.output_dir}")
-    num_tokens, step, batch = 0, 0, None
+    logger = Logger(cfg, total_steps, is_main)
+    num_tokens, step = 0, 0
 
     while step < total_steps:
         t_start = time.perf_counter()
@@ -448,78 +514,34 @@ def main(argv=None):
                                                                         cfg.chat_template_kwargs), cfg, device)
         t_generated = time.perf_counter()
         texts = tokenizer.batch_decode(batch["completion_lists"], skip_special_tokens=True)
-        completions = [[{"role": "assistant", "content": t}] if rollout.is_conversational(p) else t
-                       for p, t in zip(prompts, texts)]
-        loss_mask = batch["completion_mask"].float()  # [B, T]
-        if cfg.mask_truncated_completions:
-            loss_mask = loss_mask * (~batch["truncated"]).float()[:, None]
-
-        # ======== 2. Score (SPEC §1.3) ========
-        rewards_per_func = rewards_lib.compute_rewards(
-            reward_funcs, prompts, completions, batch["completion_lists"],
-            {c: [v for v in rows[c] for _ in range(G)] for c in columns}, step=step).to(device)  # [B, K]
-        rewards = combine_rewards(rewards_per_func, reward_weights.to(device), cfg.reward_clip_range)  # [B]
-
-        # ======== 3. KL penalty r = R - beta * kl (paper §3; k1 with the sampler's log-probs as log pi_old) ========
-        kl_sums = None
-        if cfg.beta > 0:
-            with torch.no_grad():
-                ref_logps = torch.zeros_like(batch["sampler_logps"])  # [B, T]
-                for mb in micro_batches(per_rank, cfg.per_device_train_batch_size):
-                    logps, _, T = forward_logps(ref_model, batch, mb, cfg.temperature, autocast)
-                    ref_logps[mb, :T] = logps
-            kl_sums = sequence_kl(batch["sampler_logps"], ref_logps, loss_mask)  # [B]
-            rewards = rewards - cfg.beta * kl_sums
-
-        # ======== 4. Leave-one-out advantages (SPEC §1.5) ========
-        advantages = rloo_advantages(rewards, G)  # [B]
-        if cfg.normalize_advantages:
-            advantages = normalize_advantages(gather(advantages, world_size)).view(world_size, -1)[rank]
+        # ======== 2. Score, KL-shape, leave-one-out advantages ========
+        scored = score(cfg, batch, prompts, texts, {c: rows[c] for c in columns}, reward_funcs, reward_weights,
+                       ref_model, autocast, step, world_size)
         t_scored = time.perf_counter()
-
+        completion_lengths = gather(batch["completion_mask"].sum(-1).float(), world_size)  # [world * B]
         gen_metrics = generation_metrics(
-            gather(rewards_per_func.T, world_size).T, reward_names, reward_weights.to(device),
-            gather(rewards, world_size), gather(batch["completion_mask"].sum(-1).float(), world_size),
+            gather(scored["rewards_per_func"].T, world_size).T, reward_names, reward_weights.to(device),
+            gather(scored["rewards"], world_size), completion_lengths,
             gather(batch["truncated"].float(), world_size),
-            None if kl_sums is None else gather(kl_sums, world_size), gather(loss_mask.sum(-1), world_size), G)
+            None if scored["kl_sums"] is None else gather(scored["kl_sums"], world_size),
+            gather(scored["loss_mask"].sum(-1), world_size), G)
         step_tokens = gather((batch["prompt_mask"].sum(-1) + batch["completion_mask"].sum(-1)).float(), world_size)
         if step == 0 and is_main:
-            show_samples("before training", prompts, texts, rewards_per_func.nansum(-1).tolist())
+            show_samples("before training", prompts, texts, scored["rewards_per_func"].nansum(-1).tolist())
 
-        # ======== 5. Policy update: num_iterations passes, each one optimizer step (SPEC §1.6-1.7) ========
-        old_logps = None  # num_iterations > 1: s_old of every sequence, stored by the first pass
+        # ======== 3. Policy update: num_iterations passes over the batch, one optimizer step each ========
+        old_logps = None  # num_iterations > 1: s_old is stored by the first pass (same weights as the sampler)
         for iteration in range(cfg.num_iterations):
             t_train = time.perf_counter()
-            stored, loss_sum, low, high, entropy_sum = [], 0.0, 0, 0, 0.0
-            mbs = micro_batches(per_rank, cfg.per_device_train_batch_size)
-            for i, mb in enumerate(mbs):
-                if isinstance(model, FSDPModule):  # reduce-scatter gradients only on the last micro-step
-                    model.set_requires_gradient_sync(i == len(mbs) - 1)
-                logps, entropy, T = forward_logps(model, batch, mb, cfg.temperature, autocast)
-                mask = loss_mask[mb, :T]
-                seq_logps = (logps * mask).sum(-1)  # [b]  s_i = sum_t log pi(o_t)
-                # num_iterations == 1: rho == 1 exactly, no scoring pass; else s_old from the first pass, same weights
-                seq_old = seq_logps.detach() if old_logps is None else old_logps[mb]
-                loss, is_low, is_high = rloo_loss(seq_logps, seq_old, advantages[mb], cfg.epsilon, eps_high,
-                                                  per_rank)
-                loss.backward()
-                stored.append(seq_logps.detach())
-                loss_sum += loss.detach()
-                low, high = low + is_low.sum(), high + is_high.sum()
-                entropy_sum += (entropy * mask).sum()
+            seq_logps, train_stats, grad_norm = policy_step(cfg, model, optimizer, scheduler, batch,
+                                                            scored["loss_mask"], scored["advantages"], old_logps,
+                                                            autocast, per_rank)
             if old_logps is None and cfg.num_iterations > 1:
-                old_logps = torch.cat(stored)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+                old_logps = seq_logps
             step += 1
             t_end = time.perf_counter()
 
             # ======== metrics ========
-            train_stats = torch.stack([loss_sum, low.float(), high.float(), entropy_sum, loss_mask.sum()]).float()
             if world_size > 1:
                 dist.all_reduce(train_stats)
             loss_total, low_total, high_total, entropy_total, token_total = train_stats.tolist()
@@ -531,8 +553,9 @@ def main(argv=None):
                         "clip_ratio/low_mean": low_total / n_seq, "clip_ratio/high_mean": high_total / n_seq,
                         "clip_ratio/region_mean": (low_total + high_total) / n_seq, "num_tokens": num_tokens,
                         "step_time": t_end - (t_start if iteration == 0 else t_train),
-                        "tokens_per_second/generation": (gather(batch["completion_mask"].sum(-1).float(), world_size).sum().item()
-                                                         / (t_generated - t_start)),
+                        "time/generation": t_generated - t_start, "time/scoring": t_scored - t_generated,
+                        "time/training": t_end - t_train,
+                        "tokens_per_second/generation": completion_lengths.sum().item() / (t_generated - t_start),
                         "tokens_per_second/training": step_tokens.sum().item() / (t_end - t_train)})
             logger.advance(gen_metrics["reward"])
             if step % cfg.logging_steps == 0 or step == total_steps:
@@ -541,7 +564,7 @@ def main(argv=None):
                 break
 
     if is_main:
-        show_samples("after training", prompts, texts, rewards_per_func.nansum(-1).tolist())
+        show_samples("after training", prompts, texts, scored["rewards_per_func"].nansum(-1).tolist())
     save_hf(model, tokenizer, cfg.output_dir, is_main)
     logger.close()
     if is_main:

@@ -1,0 +1,280 @@
+"""train.py: config errors, the step functions on hand-built batches, end-to-end runs (1 and 2 processes), wandb,
+and learning on the embedded task."""
+
+import copy
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import rollout
+import train
+from rloo import rloo_advantages, sequence_kl
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPEC_METRICS = ["reward", "reward_std", "rewards/task_reward/mean", "rewards/task_reward/std", "kl", "entropy",
+                "completions/mean_length", "completions/min_length", "completions/max_length",
+                "completions/clipped_ratio", "completions/mean_terminated_length", "clip_ratio/low_mean",
+                "clip_ratio/high_mean", "clip_ratio/region_mean", "frac_reward_zero_std", "loss", "grad_norm",
+                "learning_rate", "num_tokens", "step_time", "tokens_per_second/generation",
+                "tokens_per_second/training"]
+FAST = ["--max_steps", "3", "--logging_steps", "1", "--per_device_train_batch_size", "16", "--num_generations", "4"]
+
+
+def run(args, torchrun=False, env=None, timeout=600):
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun
+           else [sys.executable]) + [os.path.join(ROOT, "train.py")] + args
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def read_metrics(output_dir):
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """The embedded model and tokenizer saved in Hugging Face format: stands in for a Hub model, loaded by path."""
+    path = tmp_path_factory.mktemp("tiny_model")
+    model, tokenizer, dataset = train.embedded_task(seed=0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    dataset.select(range(64)).to_json(path / "data.jsonl")
+    return path
+
+
+def cfg_for(**overrides):
+    cfg = train.parse_config([])
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------------ config & CLI
+
+def test_help_shows_every_config_field():
+    out = run(["--help"])
+    assert out.returncode == 0
+    for name, f in train.Config.__dataclass_fields__.items():
+        assert f"--{name}" in out.stdout
+        assert f.metadata["help"].split()[0] in out.stdout
+    assert "embedded preset" in out.stdout
+
+
+def test_embedded_preset_applies_only_without_model_and_flags_win():
+    cfg = train.parse_config([])
+    assert cfg.learning_rate == train.EMBEDDED_PRESET["learning_rate"] and cfg.bf16 is False
+    assert train.parse_config(["--learning_rate", "0.5"]).learning_rate == 0.5
+    real = train.parse_config(["--model", "some/model"])
+    assert real.learning_rate == 1e-6 and real.bf16 and real.beta == 0.05 and real.num_generations == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--num_generations", "1"], "num_generations=1"),
+    (["--per_device_train_batch_size", "6", "--num_generations", "4"], "not divisible by num_generations=4"),
+    (["--reward_funcs", "no_such_reward"], "unknown reward function 'no_such_reward'"),
+    (["--reward_funcs", "task_reward", "--reward_weights", "1", "2"], "2 reward_weights for 1 reward_funcs"),
+    (["--beta", "-1"], "beta=-1.0 must be >= 0"),
+    (["--temperature", "0"], "temperature=0.0 must be > 0"),
+    (["--model", "/no/such/model", "--dataset", "x.jsonl"], "cannot load model '/no/such/model'"),
+])
+def test_bad_config_fails_at_startup_with_one_clear_line(args, message):
+    out = run(args)
+    assert out.returncode != 0
+    assert message in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+def test_dataset_without_prompt_column_fails_at_startup(tiny_model_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "1=", "target": "1"}\n' * 8)
+    out = run(["--model", str(tiny_model_dir), "--dataset", str(bad), "--reward_funcs", "task_reward"])
+    assert out.returncode != 0 and "no 'prompt' column" in out.stderr and "Traceback" not in out.stderr
+
+
+# ------------------------------------------------------------------------------------------------ step functions
+
+def hand_built_batch(model, tokenizer):
+    """Two groups of G=2; completion 1 is truncated (no EOS)."""
+    torch.manual_seed(0)
+    cfg = cfg_for(num_generations=2, max_completion_length=4, per_device_train_batch_size=4)
+    batch = rollout.generate(model, tokenizer, ["12=", "345="], cfg, torch.device("cpu"))
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    ids = torch.tensor([[5, 6, eos, pad], [7, 7, 7, 7], [eos, pad, pad, pad], [8, 9, 4, eos]])
+    batch["completion_ids"], batch["completion_mask"], batch["truncated"] = rollout.completion_masks(ids, [eos], pad)
+    batch["completion_lists"] = [row[:int(n)] for row, n in zip(ids.tolist(), batch["completion_mask"].sum(-1))]
+    with torch.no_grad():
+        logps, _, _ = train.forward_logps(model, batch, slice(None), 1.0, torch.autocast("cpu", enabled=False))
+    batch["sampler_logps"] = logps * batch["completion_mask"]
+    return cfg, batch
+
+
+def constant_reward(values):
+    def fixed_reward(completions, **kwargs):
+        return values
+    return fixed_reward
+
+
+def test_mask_truncated_completions_drops_their_tokens_but_keeps_their_reward_in_baselines():
+    model, tokenizer, _ = train.embedded_task(seed=0)
+    cfg, batch = hand_built_batch(model, tokenizer)
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    texts = ["a", "b", "c", "d"]
+    R = [1.0, 3.0, 0.0, 2.0]
+    no_kl = autocast = torch.autocast("cpu", enabled=False)
+    for masked in (False, True):
+        cfg.mask_truncated_completions, cfg.beta = masked, 0.0
+        out = train.score(cfg, batch, ["12="] * 2 + ["345="] * 2, texts, {}, [constant_reward(R)], torch.ones(1),
+                          None, no_kl, 0, 1)
+        assert out["loss_mask"][1].sum().item() == (0 if masked else 4)
+        assert out["loss_mask"][3].sum().item() == 4
+        # the truncated completion's reward still enters its sibling's baseline: A = +-(1 - 3)
+        assert out["advantages"].tolist() == [-2.0, 2.0, -2.0, 2.0]
+        cfg.beta = 0.5
+        out = train.score(cfg, batch, ["12="] * 2 + ["345="] * 2, texts, {}, [constant_reward(R)], torch.ones(1),
+                          ref, autocast, 0, 1)
+        if masked:
+            assert out["kl_sums"][1].item() == 0.0  # no KL for a masked completion
+        assert out["kl_sums"][0].item() != 0.0
+
+
+def test_kl_from_sampler_logps_equals_two_pass_computation():
+    """SPEC §2: advantages computed with the sampler's log-probs equal those of TRL's separate scoring pass."""
+    model, tokenizer, _ = train.embedded_task(seed=0)
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    cfg = cfg_for(num_generations=4, max_completion_length=6, beta=0.2, temperature=0.8)
+    torch.manual_seed(0)
+    batch = rollout.generate(model, tokenizer, ["12=", "345=", "6789="], cfg, torch.device("cpu"))
+    autocast = torch.autocast("cpu", enabled=False)
+    texts = tokenizer.batch_decode(batch["completion_lists"], skip_special_tokens=True)
+    targets = {"target": ["21", "543", "9876"]}
+    prompts = [p for p in ["12=", "345=", "6789="] for _ in range(4)]
+    ours = train.score(cfg, batch, prompts, texts, targets, [train.rewards_lib.task_reward], torch.ones(1), ref,
+                       autocast, 0, 1)
+    with torch.no_grad():  # the plain two-pass way: score the policy and the reference on the finished batch
+        old, _, T = train.forward_logps(model, batch, slice(None), cfg.temperature, autocast)
+        ref_logps, _, _ = train.forward_logps(ref, batch, slice(None), cfg.temperature, autocast)
+    kl = sequence_kl(old, ref_logps, batch["completion_mask"][:, :T])
+    assert kl.abs().max() > 0.01  # the reference really differs
+    torch.testing.assert_close(ours["kl_sums"], kl, atol=1e-4, rtol=1e-4)
+    R = ours["rewards_per_func"][:, 0]
+    torch.testing.assert_close(ours["advantages"], rloo_advantages(R - cfg.beta * kl, 4), atol=1e-4, rtol=1e-4)
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    """2 micro-steps of 4 sequences give the same update as 1 step of 8: the loss is a mean over the step."""
+    model, tokenizer, _ = train.embedded_task(seed=0)
+    cfg = cfg_for(num_generations=4, max_completion_length=6, beta=0.0)
+    torch.manual_seed(0)
+    batch = rollout.generate(model, tokenizer, ["12=", "345="], cfg, torch.device("cpu"))
+    advantages = torch.randn(8)
+    loss_mask = batch["completion_mask"].float()
+    updated = []
+    for micro in (8, 4):
+        m = copy.deepcopy(model)
+        cfg.per_device_train_batch_size = micro
+        opt = torch.optim.SGD(m.parameters(), lr=1.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        _, stats, grad_norm = train.policy_step(cfg, m, opt, sched, batch, loss_mask, advantages, None,
+                                                torch.autocast("cpu", enabled=False), num_sequences=8)
+        updated.append((torch.cat([p.detach().flatten() for p in m.parameters()]), stats[0], grad_norm))
+    torch.testing.assert_close(updated[0][0], updated[1][0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(updated[0][1], updated[1][1], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(updated[0][2], updated[1][2], atol=1e-6, rtol=1e-5)
+
+
+def test_prompt_indices_are_disjoint_across_ranks_and_cover_an_epoch():
+    rows = [train.prompt_indices(s, 24, 3, r, 2, seed=1, shuffle=True) for s in range(4) for r in range(2)]
+    flat = [i for r in rows for i in r]
+    assert sorted(flat) == list(range(24))  # 4 steps x 2 ranks x 3 prompts: one epoch, no repeats
+    assert train.prompt_indices(4, 24, 3, 0, 2, 1, True) != rows[0]  # next epoch reshuffles
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+
+def test_single_process_run_logs_spec_metrics_and_saves_hf_model(tmp_path):
+    out = run(FAST + ["--beta", "0.1", "--output_dir", str(tmp_path)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    metrics = read_metrics(tmp_path)
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for name in SPEC_METRICS:
+        assert name in metrics[-1], name
+    assert metrics[0]["clip_ratio/region_mean"] == 0.0  # on-policy: rho == 1 exactly
+    assert abs(metrics[0]["kl"]) < 1e-5  # policy == reference before the first update
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert AutoTokenizer.from_pretrained(tmp_path)("12=").input_ids
+
+
+def test_two_process_fsdp_run(tmp_path):
+    out = run(FAST + ["--beta", "0.1", "--output_dir", str(tmp_path)], torchrun=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "2 process(es)" in out.stdout
+    metrics = read_metrics(tmp_path)
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert metrics[0]["clip_ratio/region_mean"] == 0.0 and abs(metrics[0]["kl"]) < 1e-5
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_num_iterations_replays_batch_with_stored_old_logps(tmp_path):
+    """mu = 3: three optimizer steps per generation; the first has rho == 1, the replays are off-policy and clip."""
+    out = run(["--max_steps", "6", "--logging_steps", "1", "--num_iterations", "3", "--learning_rate", "0.05",
+               "--per_device_train_batch_size", "32", "--output_dir", str(tmp_path)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    metrics = read_metrics(tmp_path)
+    assert len(metrics) == 6
+    assert all(m["clip_ratio/region_mean"] == 0.0 for m in metrics[::3])
+    assert any(m["clip_ratio/region_mean"] > 0.0 for i, m in enumerate(metrics) if i % 3)
+    assert "reward" in metrics[0] and "reward" not in metrics[1]  # one generation per 3 steps
+
+
+def test_real_model_path_and_jsonl_dataset(tiny_model_dir, tmp_path):
+    out = run(["--model", str(tiny_model_dir), "--dataset", str(tiny_model_dir / "data.jsonl"),
+               "--reward_funcs", "task_reward", "--bf16", "false", "--max_steps", "2", "--logging_steps", "1",
+               "--max_completion_length", "4", "--per_device_train_batch_size", "8", "--output_dir", str(tmp_path)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(read_metrics(tmp_path)) == 2
+
+
+def test_wandb_offline_run_files_hold_the_logged_metrics(tmp_path):
+    out = run(FAST + ["--report_to", "wandb", "--output_dir", str(tmp_path)],
+              env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run_file,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    from wandb.sdk.internal import datastore
+    from wandb.proto import wandb_internal_pb2
+    store = datastore.DataStore()
+    store.open_for_scan(run_file)
+    history = []
+    while (data := store.scan_data()) is not None:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(data)
+        if record.WhichOneof("record_type") == "history":
+            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                            for item in record.history.item})
+    logged = read_metrics(tmp_path)
+    assert len(history) == 3
+    for h, m in zip(history, logged):
+        assert h["reward"] == pytest.approx(m["reward"]) and h["loss"] == pytest.approx(m["loss"])
+        assert "completions/clipped_ratio" in h
+
+
+def test_embedded_default_learns(tmp_path):
+    """`python train.py` as the README runs it: reward in the last 10% of steps >= 0.8 and >= 3x the first 10%."""
+    out = run(["--output_dir", str(tmp_path), "--logging_steps", "1"], timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rewards = [m["reward"] for m in read_metrics(tmp_path)]
+    tenth = max(1, len(rewards) // 10)
+    first, last = sum(rewards[:tenth]) / tenth, sum(rewards[-tenth:]) / tenth
+    assert last >= 0.8 and last >= 3 * first, (first, last)
