@@ -466,17 +466,17 @@ def main(argv=None):
     reward_names = [rewards_lib.reward_name(f) for f in reward_funcs]
     reward_weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_funcs))
 
-    # --- model, reference, data ---
+    # --- data, model, reference (the data first: it is cheaper to find out it is wrong) ---
+    if cfg.model is not None and cfg.dataset is None:
+        fail("--model needs --dataset (a dataset with a 'prompt' column)")
+    dataset = load_data(cfg) if cfg.dataset is not None else None
     if cfg.model is None:
-        model, tokenizer, dataset = embedded_task(cfg.seed)
+        model, tokenizer, embedded_dataset = embedded_task(cfg.seed)
         ref_model = embedded_task(cfg.seed)[0] if cfg.beta > 0 else None
+        dataset = embedded_dataset if dataset is None else dataset
     else:
         model, tokenizer = load_model(cfg.model)
         ref_model = load_model(cfg.model)[0] if cfg.beta > 0 else None  # beta == 0: never loaded (SPEC §1.4)
-    if cfg.dataset is not None:
-        dataset = load_data(cfg)
-    elif cfg.model is not None:
-        fail("--model needs --dataset (a dataset with a 'prompt' column)")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = prepare_model(model.to(device), cfg, world_size, trainable=True)

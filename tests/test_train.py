@@ -81,7 +81,9 @@ def test_embedded_preset_applies_only_without_model_and_flags_win():
     (["--reward_funcs", "task_reward", "--reward_weights", "1", "2"], "2 reward_weights for 1 reward_funcs"),
     (["--beta", "-1"], "beta=-1.0 must be >= 0"),
     (["--temperature", "0"], "temperature=0.0 must be > 0"),
-    (["--model", "/no/such/model", "--dataset", "x.jsonl"], "cannot load model '/no/such/model'"),
+    (["--model", "/no/such/model", "--dataset", "tests/data/math.jsonl", "--reward_funcs", "accuracy_reward"],
+     "cannot load model '/no/such/model'"),
+    (["--dataset", "/no/such/data.jsonl"], "cannot load dataset '/no/such/data.jsonl'"),
 ])
 def test_bad_config_fails_at_startup_with_one_clear_line(args, message):
     out = run(args)
@@ -247,22 +249,35 @@ def test_real_model_path_and_jsonl_dataset(tiny_model_dir, tmp_path):
     assert len(read_metrics(tmp_path)) == 2
 
 
+def wandb_records(path):
+    """Protobuf records of a wandb run file: a 7-byte ':W&B' header, then LevelDB-log framing (32 KiB blocks;
+    each chunk: crc32 (4), length (2, little-endian), type (1: full, 2: first, 3: middle, 4: last))."""
+    from wandb.proto import wandb_internal_pb2
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[:4] == b":W&B"
+    pos, block, chunks = 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # block trailer padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        chunks += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunks)
+            chunks = b""
+            yield record
+
+
 def test_wandb_offline_run_files_hold_the_logged_metrics(tmp_path):
     out = run(FAST + ["--report_to", "wandb", "--output_dir", str(tmp_path)],
               env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     assert out.returncode == 0, out.stderr[-3000:]
     (run_file,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
-    from wandb.sdk.internal import datastore
-    from wandb.proto import wandb_internal_pb2
-    store = datastore.DataStore()
-    store.open_for_scan(run_file)
-    history = []
-    while (data := store.scan_data()) is not None:
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(data)
-        if record.WhichOneof("record_type") == "history":
-            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                            for item in record.history.item})
+    history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+               for r in wandb_records(run_file) if r.WhichOneof("record_type") == "history"]
     logged = read_metrics(tmp_path)
     assert len(history) == 3
     for h, m in zip(history, logged):
