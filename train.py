@@ -16,14 +16,20 @@ one optimizer step on L = -mean_i min(rho_i A_i, clip(rho_i) A_i), rho_i = exp(s
 import json
 import math
 import os
+import re
+import shutil
+import signal
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, get_scheduler
 
 import rewards as rewards_lib
@@ -76,11 +82,17 @@ class Config:
     seed: int = field(default=42, metadata={"help": "Seed of model init and prompt order; rank r samples with seed + r."})
     bf16: bool = field(default=True, metadata={"help": "bf16 compute with fp32 master weights (autocast; FSDP2 MixedPrecisionPolicy when sharded)."})
     gradient_checkpointing: bool = field(default=True, metadata={"help": "Recompute activations in backward to save memory."})
+    cpu_offload: bool = field(default=False, metadata={"help": "FSDP2: keep parameters, gradients and optimizer state in CPU memory (needs > 1 process)."})
+    max_nonfinite_steps: int = field(default=3, metadata={"help": "Stop after this many optimizer steps in a row with a NaN/inf gradient (each is skipped)."})
     # logging and output
     logging_steps: int = field(default=10, metadata={"help": "Log metrics averaged over this many optimizer steps."})
     output_dir: str = field(default="runs/rloo", metadata={"help": "Where metrics.jsonl, wandb files and the final Hugging Face model go."})
     report_to: Literal["none", "wandb"] = field(default="none", metadata={"help": "'wandb' also logs to Weights & Biases (WANDB_MODE=offline works without network)."})
     run_name: str | None = field(default=None, metadata={"help": "Run name for wandb."})
+    save_steps: int = field(default=500, metadata={"help": "Write a sharded checkpoint every this many optimizer steps (and at the end); 0: only at the end."})
+    save_total_limit: int | None = field(default=None, metadata={"help": "Keep only the newest N checkpoints."})
+    resume_from_checkpoint: str | None = field(default=None, metadata={"help": "Checkpoint directory to continue from, or 'latest' (newest in output_dir)."})
+    overwrite_output_dir: bool = field(default=False, metadata={"help": "Start afresh in an output_dir that holds another run's checkpoints (deletes them)."})
 
 
 # `python train.py` with no --model: a tiny model learns the embedded task on CPU. These replace the defaults above
@@ -88,7 +100,11 @@ class Config:
 EMBEDDED_PRESET = dict(
     reward_funcs=["task_reward"], num_generations=8, max_completion_length=5, per_device_train_batch_size=128,
     learning_rate=1e-3, lr_scheduler_type="constant", beta=0.0, max_steps=800, bf16=False,
-    gradient_checkpointing=False, output_dir="runs/embedded")
+    gradient_checkpointing=False, output_dir="runs/embedded", overwrite_output_dir=True)
+
+
+# DCP in a single process (no process group) is intended here; its warning says so on every save.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 def fail(message):
@@ -133,6 +149,13 @@ def check_config(cfg, world_size):
     if cfg.reward_clip_range is not None and (len(cfg.reward_clip_range) != 2
                                               or cfg.reward_clip_range[0] > cfg.reward_clip_range[1]):
         fail(f"reward_clip_range={cfg.reward_clip_range}: give two numbers MIN MAX with MIN <= MAX")
+    if cfg.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        fail("bf16 is not supported on this GPU; pass --bf16 false")
+    if cfg.cpu_offload and world_size == 1:
+        fail("cpu_offload shards with FSDP2 and needs torchrun with more than one process")
+    if cfg.resume_from_checkpoint is None and not cfg.overwrite_output_dir and checkpoint_dirs(cfg.output_dir):
+        fail(f"output_dir {cfg.output_dir!r} holds another run's checkpoints; pass --resume_from_checkpoint latest "
+             "to continue it, --overwrite_output_dir to replace it, or another --output_dir")
     if cfg.chat_template_kwargs is not None:
         try:
             cfg.chat_template_kwargs = json.loads(cfg.chat_template_kwargs)
@@ -236,12 +259,15 @@ def prepare_model(model, cfg, world_size, trainable):
     if world_size > 1:
         # Shard each decoder layer, then the root (embeddings, head, tied weights). Params and compute in bf16,
         # gradient reduction in fp32 (SPEC §3, bf16 default).
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cfg.bf16 else None, reduce_dtype=torch.float32)
+        options = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cfg.bf16 else None,
+                                                      reduce_dtype=torch.float32))
+        if cfg.cpu_offload:  # params, grads and optimizer state live in CPU memory; the optimizer steps on the CPU
+            options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
         layer_types = tuple(getattr(model, "_no_split_modules", None) or ())
         for module in model.modules():
             if type(module).__name__ in layer_types:
-                fully_shard(module, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+                fully_shard(module, **options)
+        fully_shard(model, **options)
     return model
 
 
@@ -321,14 +347,20 @@ def generation_metrics(rewards_per_func, names, weights, shaped, lengths, trunca
 class Logger:
     """Rank 0 writes metrics.jsonl, a progress bar and wandb; other ranks get the same calls as no-ops."""
 
-    def __init__(self, cfg, total_steps, is_main):
+    def __init__(self, cfg, total_steps, is_main, resumed_step=None):
         self.is_main, self.window, self.wandb = is_main, {}, None
         if not is_main:
             return
         from tqdm import tqdm
         os.makedirs(cfg.output_dir, exist_ok=True)
-        self.jsonl = open(os.path.join(cfg.output_dir, "metrics.jsonl"), "w")
-        self.bar = tqdm(total=total_steps, desc="rloo", dynamic_ncols=True)
+        path = os.path.join(cfg.output_dir, "metrics.jsonl")
+        kept = []  # resuming: keep the lines up to the checkpoint, drop those the crashed run wrote after it
+        if resumed_step is not None and os.path.exists(path):
+            with open(path) as f:
+                kept = [line for line in f if json.loads(line)["step"] <= resumed_step]
+        self.jsonl = open(path, "w")
+        self.jsonl.writelines(kept)
+        self.bar = tqdm(total=total_steps, initial=resumed_step or 0, desc="rloo", dynamic_ncols=True)
         if cfg.report_to == "wandb":
             import wandb
             self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "rloo"), name=cfg.run_name,
@@ -415,7 +447,8 @@ def policy_step(cfg, model, optimizer, scheduler, batch, loss_mask, advantages, 
     """One optimizer step over the batch in micro-batches of per_device_train_batch_size (SPEC §1.6-1.7).
 
     old_logps None: on-policy pass, s_old = s.detach() so rho == 1 (no scoring pass, SPEC §2).
-    Returns the sequence log-probs s [B] (the s_old of later passes) and local sums for the metrics.
+    Returns the sequence log-probs s [B] (the s_old of later passes), local sums for the metrics, and the global
+    gradient norm (non-finite: the optimizer step was skipped).
     """
     eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
     mbs = micro_batches(len(advantages), cfg.per_device_train_batch_size)
@@ -434,10 +467,103 @@ def policy_step(cfg, model, optimizer, scheduler, batch, loss_mask, advantages, 
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a replicated DTensor
         grad_norm = grad_norm.full_tensor()
-    optimizer.step()
+    if torch.isfinite(grad_norm):  # the global norm, so every rank takes the same branch; NaN/inf: skip the update
+        optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return torch.cat(seq_logps_all), stats, grad_norm
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checkpoints (SPEC §8): sharded with torch.distributed.checkpoint, written to a temporary name and renamed
+# ---------------------------------------------------------------------------------------------------------------
+
+def checkpoint_dirs(output_dir):
+    """Finished checkpoint-N directories, oldest first (trainer_state.json is written last, so it marks completion)."""
+    found = []
+    for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
+        match = re.fullmatch(r"checkpoint-(\d+)", name)
+        if match and os.path.exists(os.path.join(output_dir, name, "trainer_state.json")):
+            found.append((int(match.group(1)), os.path.join(output_dir, name)))
+    return [path for _, path in sorted(found)]
+
+
+def barrier(world_size):
+    if world_size > 1:
+        dist.barrier()
+
+
+def save_checkpoint(cfg, model, optimizer, scheduler, state, rank, world_size):
+    """Every rank writes its own shards (nobody gathers the model) into checkpoint-N.tmp; rank 0 renames it when all
+    are done, so a kill mid-save leaves the previous checkpoint intact. state: step, num_tokens, metric window."""
+    final = os.path.join(cfg.output_dir, f"checkpoint-{state['step']}")
+    tmp = final + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    barrier(world_size)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
+    torch.save({"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
+               os.path.join(tmp, f"rng_rank{rank}.pt"))
+    barrier(world_size)
+    if rank == 0:
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump({**state, "scheduler": scheduler.state_dict(), "model": cfg.model, "world_size": world_size}, f)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        for old in checkpoint_dirs(cfg.output_dir)[:-cfg.save_total_limit] if cfg.save_total_limit else []:
+            shutil.rmtree(old)
+    barrier(world_size)
+
+
+def load_checkpoint(cfg, model, optimizer, scheduler, rank, world_size):
+    """Restore model, optimizer, scheduler and this rank's RNG; returns the saved state (step, num_tokens, window)."""
+    path = cfg.resume_from_checkpoint
+    if path == "latest":
+        found = checkpoint_dirs(cfg.output_dir)
+        if not found:
+            fail(f"--resume_from_checkpoint latest: no checkpoint in {cfg.output_dir!r}")
+        path = found[-1]
+    if not os.path.exists(os.path.join(path, "trainer_state.json")):
+        fail(f"--resume_from_checkpoint {path!r} is not a finished checkpoint directory (no trainer_state.json)")
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        state = json.load(f)
+    if state["model"] != cfg.model:
+        fail(f"checkpoint {path!r} was trained from model {state['model']!r}, not {cfg.model!r}")
+    model_state, optim_state = get_state_dict(model, optimizer)
+    full = {"model": model_state, "optimizer": optim_state}
+    try:
+        dcp.load(full, checkpoint_id=path)
+    except Exception as e:  # shapes or names differ: another architecture saved this
+        fail(f"checkpoint {path!r} does not fit this model: {str(e).splitlines()[0][:300]}")
+    set_state_dict(model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    rng_file = os.path.join(path, f"rng_rank{rank}.pt")
+    if state["world_size"] == world_size and os.path.exists(rng_file):
+        rng = torch.load(rng_file, weights_only=False)
+        torch.set_rng_state(rng["cpu"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    elif rank == 0:
+        print(f"rloo: checkpoint written by {state['world_size']} processes, resuming on {world_size}: weights and "
+              "optimizer are resharded, sampling RNG starts afresh")
+    if rank == 0:
+        print(f"rloo: resumed from {path} at step {state['step']}")
+    return state
+
+
+def export_checkpoint(path, out_dir):
+    """`python train.py export CHECKPOINT [OUT_DIR]`: a sharded checkpoint -> a Hugging Face model directory."""
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        name = json.load(f)["model"]
+    model, tokenizer = load_model(name) if name is not None else embedded_task(0)[:2]
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=path)  # reads every rank's shards in one process
+    model.load_state_dict(state["model"])
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    print(f"rloo: exported {path} -> {out_dir}")
 
 
 def show_samples(title, prompts, completions, rewards, n=3):
@@ -452,6 +578,9 @@ def show_samples(title, prompts, completions, rewards, n=3):
 # ---------------------------------------------------------------------------------------------------------------
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["export"]:
+        return export_checkpoint(argv[1], argv[2] if len(argv) > 2 else argv[1] + "-hf")
     cfg = parse_config(argv)
     rank, world_size, device = setup_distributed()
     is_main = rank == 0
@@ -498,11 +627,22 @@ def main(argv=None):
     # bf16: FSDP2's MixedPrecisionPolicy casts when sharded; a single process uses autocast over fp32 weights.
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16 and world_size == 1)
     torch.manual_seed(cfg.seed + rank)  # each rank samples different completions for its prompts
+    num_tokens, step, window = 0, 0, {}
+    if cfg.resume_from_checkpoint:
+        state = load_checkpoint(cfg, model, optimizer, scheduler, rank, world_size)
+        num_tokens, step, window = state["num_tokens"], state["step"], state["window"]
+    elif is_main and cfg.overwrite_output_dir:
+        for old in checkpoint_dirs(cfg.output_dir):
+            shutil.rmtree(old)
+    stop_requested = torch.zeros(1, device=device)  # SIGTERM (SLURM's warning before a kill): checkpoint and exit
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop_requested.fill_(1))
     if is_main:
         print(f"rloo: {world_size} process(es) on {device}, {sum(p.numel() for p in model.parameters()):,} params "
               f"(per rank), {per_rank * world_size} completions/step, {total_steps} steps -> {cfg.output_dir}")
-    logger = Logger(cfg, total_steps, is_main)
-    num_tokens, step = 0, 0
+    logger = Logger(cfg, total_steps, is_main, resumed_step=step if cfg.resume_from_checkpoint else None)
+    logger.window = window
+    start_step = saved_step = step
+    nonfinite_in_a_row = 0
 
     while step < total_steps:
         t_start = time.perf_counter()
@@ -525,6 +665,8 @@ def main(argv=None):
             gather(batch["truncated"].float(), world_size),
             None if scored["kl_sums"] is None else gather(scored["kl_sums"], world_size),
             gather(scored["loss_mask"].sum(-1), world_size), G)
+        gen_metrics.update({"time/generation": t_generated - t_start, "time/scoring": t_scored - t_generated,
+                            "tokens_per_second/generation": completion_lengths.sum().item() / (t_generated - t_start)})
         step_tokens = gather((batch["prompt_mask"].sum(-1) + batch["completion_mask"].sum(-1)).float(), world_size)
         if step == 0 and is_main:
             show_samples("before training", prompts, texts, scored["rewards_per_func"].nansum(-1).tolist())
@@ -547,23 +689,40 @@ def main(argv=None):
             loss_total, low_total, high_total, entropy_total, token_total = train_stats.tolist()
             num_tokens += step_tokens.sum().item()
             n_seq = per_rank * world_size
+            nonfinite_in_a_row = 0 if torch.isfinite(grad_norm) else nonfinite_in_a_row + 1
             logger.add({**(gen_metrics if iteration == 0 else {}),
                         "loss": loss_total / world_size, "grad_norm": grad_norm.item(),
                         "learning_rate": scheduler.get_last_lr()[0], "entropy": entropy_total / max(token_total, 1),
                         "clip_ratio/low_mean": low_total / n_seq, "clip_ratio/high_mean": high_total / n_seq,
                         "clip_ratio/region_mean": (low_total + high_total) / n_seq, "num_tokens": num_tokens,
-                        "step_time": t_end - (t_start if iteration == 0 else t_train),
-                        "time/generation": t_generated - t_start, "time/scoring": t_scored - t_generated,
-                        "time/training": t_end - t_train,
-                        "tokens_per_second/generation": completion_lengths.sum().item() / (t_generated - t_start),
+                        "nonfinite_skipped": float(nonfinite_in_a_row > 0),
+                        "step_time": t_end - (t_start if iteration == 0 else t_train), "time/training": t_end - t_train,
                         "tokens_per_second/training": step_tokens.sum().item() / (t_end - t_train)})
             logger.advance(gen_metrics["reward"])
             if step % cfg.logging_steps == 0 or step == total_steps:
                 logger.log(step)
+            if nonfinite_in_a_row >= cfg.max_nonfinite_steps:
+                fail(f"{nonfinite_in_a_row} optimizer steps in a row had a NaN/inf gradient (all skipped); stopping. "
+                     f"The last checkpoint in {cfg.output_dir!r} is intact. Check rewards and learning rate.")
             if step >= total_steps:
                 break
 
-    if is_main:
+        # ======== checkpoint: every save_steps, at the end, and on SIGTERM (only between generations) ========
+        if world_size > 1:
+            dist.all_reduce(stop_requested, op=dist.ReduceOp.MAX)  # every rank stops at the same step
+        if (cfg.save_steps > 0 and step // cfg.save_steps > saved_step // cfg.save_steps) or step >= total_steps \
+                or stop_requested.item():
+            save_checkpoint(cfg, model, optimizer, scheduler, dict(step=step, num_tokens=num_tokens,
+                                                                    window=logger.window), rank, world_size)
+            saved_step = step
+        if stop_requested.item():
+            logger.close()
+            if is_main:
+                print(f"rloo: SIGTERM: saved checkpoint-{step} in {cfg.output_dir}; resume with "
+                      "--resume_from_checkpoint latest")
+            return
+
+    if is_main and step > start_step:
         show_samples("after training", prompts, texts, scored["rewards_per_func"].nansum(-1).tolist())
     save_hf(model, tokenizer, cfg.output_dir, is_main)
     logger.close()

@@ -5,8 +5,11 @@ import copy
 import glob
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -293,3 +296,145 @@ def test_embedded_default_learns(tmp_path):
     tenth = max(1, len(rewards) // 10)
     first, last = sum(rewards[:tenth]) / tenth, sum(rewards[-tenth:]) / tenth
     assert last >= 0.8 and last >= 3 * first, (first, last)
+
+
+# ------------------------------------------------------------------------------------------------ scale-out & reliability
+
+def worker(out, torchrun, *flags):
+    script = os.path.join(ROOT, "tests", "dist_worker.py")
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun
+           else [sys.executable]) + [script, str(out), *flags]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("flags, tol", [(["--bf16", "false"], 1e-5), (["--bf16", "true"], 0.05)])
+def test_two_process_fsdp_step_equals_one_process_step(tmp_path, flags, tol):
+    """The same global batch of 16: 1 process (2 micro-steps of 8) vs 2 FSDP2 ranks (2 micro-steps of 4 each).
+    fp32: same loss, gradient norm and updated weights to float tolerance; bf16 (autocast vs FSDP2
+    MixedPrecisionPolicy) agrees to bf16 tolerance."""
+    one = worker(tmp_path / "one.pt", False, *flags)
+    two = worker(tmp_path / "two.pt", True, *flags)
+    assert abs(one["loss"]) > 1e-3
+    assert two["loss"] == pytest.approx(one["loss"], rel=tol, abs=1e-6)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=tol)
+    diff = max((one["state"][k] - two["state"][k]).abs().max().item() for k in one["state"])
+    assert diff < (1e-6 if tol < 1e-3 else 0.05), diff
+
+
+def test_gradient_checkpointing_and_bf16_autocast_change_memory_not_math():
+    model, tokenizer, _ = train.embedded_task(seed=0)
+    cfg = cfg_for(num_generations=4, max_completion_length=6)
+    torch.manual_seed(0)
+    batch = rollout.generate(model, tokenizer, ["12=", "345="], cfg, torch.device("cpu"))
+    grads, logps = [], []
+    for checkpointing, bf16 in [(False, False), (True, False), (False, True)]:
+        m = copy.deepcopy(model)
+        if checkpointing:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.train()
+        lp, _, _ = train.forward_logps(m, batch, slice(None), 1.0, torch.autocast("cpu", torch.bfloat16, enabled=bf16))
+        (lp * batch["completion_mask"]).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in m.parameters()]))
+        logps.append(lp.detach())
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-5)  # checkpointing: same gradient
+    assert not torch.equal(logps[2], logps[0])  # bf16 really ran ...
+    torch.testing.assert_close(logps[2], logps[0], atol=0.1, rtol=0.05)  # ... and stays close
+
+
+def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path):
+    args = ["--max_steps", "10", "--save_steps", "2", "--logging_steps", "1", "--per_device_train_batch_size", "32",
+            "--beta", "0.05"]
+    whole = run(args + ["--output_dir", str(tmp_path / "whole")])
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args, "--output_dir", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    while not (out / "checkpoint-4" / "trainer_state.json").exists():
+        assert proc.poll() is None, "run ended before its step-4 checkpoint"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed = run(args + ["--output_dir", str(out), "--resume_from_checkpoint", "latest"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    start = int(re.search(r"resumed from .*checkpoint-(\d+)", resumed.stdout).group(1))
+    assert start >= 4 and start < 10
+    expected, got = read_metrics(tmp_path / "whole"), read_metrics(out)
+    assert [m["step"] for m in got] == list(range(1, 11))
+    for e, g in zip(expected, got):
+        for key in ("reward", "loss", "grad_norm", "kl", "entropy", "completions/mean_length", "learning_rate"):
+            assert g[key] == pytest.approx(e[key], rel=1e-6, abs=1e-9), (e["step"], key)
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), "--max_steps", "100000",
+                             "--logging_steps", "1", "--save_steps", "0", "--per_device_train_batch_size", "16",
+                             "--output_dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT)
+    while not (tmp_path / "metrics.jsonl").exists() or len(read_metrics(tmp_path)) < 3:
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "SIGTERM: saved checkpoint-" in stdout
+    (checkpoint,) = train.checkpoint_dirs(str(tmp_path))
+    assert json.load(open(os.path.join(checkpoint, "trainer_state.json")))["step"] >= 3
+
+
+def test_save_total_limit_export_and_guards(tmp_path, tiny_model_dir):
+    out = run(FAST + ["--max_steps", "6", "--save_steps", "2", "--save_total_limit", "2", "--output_dir",
+                      str(tmp_path)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [os.path.basename(p) for p in train.checkpoint_dirs(str(tmp_path))] == ["checkpoint-4", "checkpoint-6"]
+    # export: the last checkpoint as a Hugging Face directory equals the final saved model
+    exported = run(["export", str(tmp_path / "checkpoint-6"), str(tmp_path / "exported")])
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    from transformers import AutoModelForCausalLM
+    final, again = (AutoModelForCausalLM.from_pretrained(tmp_path), AutoModelForCausalLM.from_pretrained(tmp_path / "exported"))
+    for (name, a), (_, b) in zip(final.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), name
+    # an output_dir with checkpoints needs --resume_from_checkpoint or --overwrite_output_dir
+    again = run(FAST + ["--output_dir", str(tmp_path), "--overwrite_output_dir", "false"])
+    assert again.returncode != 0 and "holds another run's checkpoints" in again.stderr
+    # a checkpoint of another model
+    other = run(["--model", str(tiny_model_dir), "--dataset", str(tiny_model_dir / "data.jsonl"), "--reward_funcs",
+                 "task_reward", "--output_dir", str(tmp_path), "--resume_from_checkpoint", "latest"])
+    assert other.returncode != 0 and "was trained from model None" in other.stderr and "Traceback" not in other.stderr
+    missing = run(FAST + ["--output_dir", str(tmp_path / "new"), "--resume_from_checkpoint", "/no/such/ckpt"])
+    assert missing.returncode != 0 and "not a finished checkpoint directory" in missing.stderr
+
+
+def test_nonfinite_gradients_are_skipped_then_stop_the_run(tmp_path):
+    rewards_file = tmp_path / "huge.py"
+    rewards_file.write_text("def huge_reward(completions, **kw):\n"
+                            "    return [3e38 if i % 2 else -3e38 for i in range(len(completions))]\n")
+    out = run(FAST + ["--max_steps", "20", "--reward_funcs", f"{rewards_file}:huge_reward", "--save_steps", "1",
+                      "--max_nonfinite_steps", "2", "--output_dir", str(tmp_path / "run")])
+    assert out.returncode != 0 and "2 optimizer steps in a row had a NaN/inf gradient" in out.stderr
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["nonfinite_skipped"] for m in metrics] == [1.0, 1.0]
+    # the weights were never updated: the checkpoint after the skipped step equals the initial model
+    state = {"model": train.embedded_task(seed=42)[0].state_dict()}
+    initial = {k: v.clone() for k, v in state["model"].items()}
+    import torch.distributed.checkpoint as dcp
+    dcp.load(state, checkpoint_id=str(tmp_path / "run" / "checkpoint-1"))
+    for k, v in initial.items():
+        assert torch.equal(v, state["model"][k]), k
+
+
+def test_launch_script_single_node_and_slurm_dry_run(tmp_path):
+    env = {**os.environ, "NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1"}
+    single = subprocess.run(["bash", "launch.sh", "--dry-run", "--max_steps", "2"], capture_output=True, text=True,
+                            cwd=ROOT, env=env)
+    assert single.stdout.split() == ["torchrun", "--standalone", "--nproc_per_node=2", "train.py", "--max_steps", "2"]
+    slurm = subprocess.run(["bash", "launch.sh", "--dry-run", "--beta", "0"], capture_output=True, text=True, cwd=ROOT,
+                           env={**env, "NNODES": "4", "MASTER_ADDR": "node7", "SLURM_JOB_ID": "99"})
+    assert slurm.stdout.split() == ["srun", "--nodes=4", "--ntasks-per-node=1", "torchrun", "--nnodes=4",
+                                    "--nproc_per_node=2", "--rdzv_backend=c10d", "--rdzv_id=99",
+                                    "--rdzv_endpoint=node7:29500", "train.py", "--beta", "0"]
+    real = subprocess.run(["bash", "launch.sh"] + FAST + ["--output_dir", str(tmp_path)], capture_output=True,
+                          text=True, cwd=ROOT, env=env)
+    assert real.returncode == 0, real.stderr[-3000:]
+    assert "2 process(es)" in real.stdout and len(read_metrics(tmp_path)) == 3
