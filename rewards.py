@@ -93,8 +93,14 @@ BUILTINS = {f.__name__: f for f in (task_reward, accuracy_reward, think_format_r
 # Loading by name (CLI) and calling
 # ---------------------------------------------------------------------------------------------------------------
 
-def load_reward_func(spec):
-    """'accuracy_reward' (built-in) | 'pkg.module:fn' | 'path/to/file.py:fn' -> callable. Errors list the options."""
+def looks_like_model(spec):
+    """A local directory, or a Hub id such as 'org/name' (no ':' and no '.py')."""
+    return os.path.isdir(spec) or bool(re.fullmatch(r"[\w.-]+/[\w.-]+", spec)) and not spec.endswith(".py")
+
+
+def load_reward_func(spec, prepare_model=None, device="cpu"):
+    """'accuracy_reward' (built-in) | 'pkg.module:fn' | 'path/to/file.py:fn' | a sequence-classification model
+    (local directory or Hub id) -> callable. prepare_model places/shards a reward model like the reference model."""
     if spec in BUILTINS:
         return BUILTINS[spec]
     if ":" in spec:
@@ -113,8 +119,37 @@ def load_reward_func(spec):
         if not callable(getattr(module, name, None)):
             raise ValueError(f"{source!r} has no function {name!r} (reward function {spec!r})")
         return getattr(module, name)
+    if looks_like_model(spec):
+        return reward_model(spec, prepare_model or (lambda m: m), device)
     raise ValueError(f"unknown reward function {spec!r}: use a built-in ({', '.join(BUILTINS)}), "
                      "'module:function', 'file.py:function', or the path of a sequence-classification model")
+
+
+def reward_model(path, prepare_model, device):
+    """A sequence-classification model as a reward function: prompt + completion (through the chat template for
+    conversations), right-padded, no gradient, reward = logits[:, 0] at the last token. Named after the path."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load reward model {path!r}: {str(e).splitlines()[0]}") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
+    model.config.pad_token_id = tokenizer.pad_token_id  # the model scores the last non-pad token
+    model = prepare_model(model.to(device))
+
+    @torch.no_grad()
+    def score(prompts, completions, **kwargs):
+        texts = [tokenizer.apply_chat_template(p + c, tokenize=False) if isinstance(p, list) else p + c
+                 for p, c in zip(prompts, completions)]
+        enc = tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False).to(device)
+        return model(**enc).logits[:, 0].float().tolist()
+
+    score.__name__ = os.path.basename(os.path.normpath(path))
+    return score
 
 
 def reward_name(func):

@@ -13,6 +13,7 @@ sequence KL to the reference, r = R - beta * kl -> leave-one-out advantages A_i 
 one optimizer step on L = -mean_i min(rho_i A_i, clip(rho_i) A_i), rho_i = exp(s_i - s_i_old).
 """
 
+import itertools
 import json
 import math
 import os
@@ -49,6 +50,9 @@ class Config:
     dataset: str | None = field(default=None, metadata={"help": "Hub dataset name, local directory (save_to_disk or data files), or a .json/.jsonl/.parquet/.csv file. Needs a 'prompt' column."})
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name (load_dataset's `name`)."})
     dataset_split: str = field(default="train", metadata={"help": "Dataset split to train on."})
+    eval_split: str | None = field(default=None, metadata={"help": "Split of the same dataset to evaluate on every eval_steps (metrics prefixed eval_)."})
+    eval_steps: int = field(default=100, metadata={"help": "Evaluate every this many optimizer steps when eval_split is set."})
+    streaming: bool = field(default=False, metadata={"help": "Stream the dataset instead of downloading it whole (needs max_steps)."})
     reward_funcs: list[str] | None = field(default=None, metadata={"help": "Reward functions: built-in names (task_reward, accuracy_reward, think_format_reward), module:function or file.py:function."})
     reward_weights: list[float] | None = field(default=None, metadata={"help": "One weight per reward function (default: all 1.0)."})
     reward_clip_range: list[float] | None = field(default=None, metadata={"help": "Two numbers MIN MAX: clip the combined reward to [MIN, MAX] before the KL penalty."})
@@ -89,6 +93,7 @@ class Config:
     output_dir: str = field(default="runs/rloo", metadata={"help": "Where metrics.jsonl, wandb files and the final Hugging Face model go."})
     report_to: Literal["none", "wandb"] = field(default="none", metadata={"help": "'wandb' also logs to Weights & Biases (WANDB_MODE=offline works without network)."})
     run_name: str | None = field(default=None, metadata={"help": "Run name for wandb."})
+    log_completions: bool = field(default=False, metadata={"help": "Every logging step, print a few (prompt, completion, rewards, advantage) rows (and a wandb table)."})
     save_steps: int = field(default=500, metadata={"help": "Write a sharded checkpoint every this many optimizer steps (and at the end); 0: only at the end."})
     save_total_limit: int | None = field(default=None, metadata={"help": "Keep only the newest N checkpoints."})
     resume_from_checkpoint: str | None = field(default=None, metadata={"help": "Checkpoint directory to continue from, or 'latest' (newest in output_dir)."})
@@ -151,6 +156,8 @@ def check_config(cfg, world_size):
         fail(f"reward_clip_range={cfg.reward_clip_range}: give two numbers MIN MAX with MIN <= MAX")
     if cfg.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
         fail("bf16 is not supported on this GPU; pass --bf16 false")
+    if cfg.streaming and cfg.max_steps <= 0:
+        fail("--streaming has no length to derive the number of steps from; set --max_steps")
     if cfg.cpu_offload and world_size == 1:
         fail("cpu_offload shards with FSDP2 and needs torchrun with more than one process")
     if cfg.resume_from_checkpoint is None and not cfg.overwrite_output_dir and checkpoint_dirs(cfg.output_dir):
@@ -220,29 +227,45 @@ def load_model(name):
     return model, tokenizer
 
 
-def load_data(cfg):
-    """Any `datasets` source: a Hub name, a save_to_disk directory, a data directory or a json/jsonl/parquet/csv file."""
+def load_data(cfg, split):
+    """Any `datasets` source: a Hub name, a save_to_disk directory, a data directory or a json/jsonl/parquet/csv file.
+    Streaming gives an IterableDataset (no length, rows read as training goes)."""
     import datasets
 
     path = cfg.dataset
     try:
         if os.path.isfile(path):
             kind = {".jsonl": "json"}.get(os.path.splitext(path)[1], os.path.splitext(path)[1].lstrip("."))
-            dataset = datasets.load_dataset(kind, data_files=path, split=cfg.dataset_split)
+            dataset = datasets.load_dataset(kind, data_files=path, split=split, streaming=cfg.streaming)
         elif os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json")):
             dataset = datasets.load_from_disk(path)
         elif os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_dict.json")):
-            dataset = datasets.load_from_disk(path)[cfg.dataset_split]
+            dataset = datasets.load_from_disk(path)[split]
         else:
-            dataset = datasets.load_dataset(path, cfg.dataset_config, split=cfg.dataset_split)
-    except (FileNotFoundError, ValueError, KeyError, datasets.exceptions.DatasetNotFoundError) as e:
-        fail(f"cannot load dataset {path!r} (split {cfg.dataset_split!r}): {str(e).splitlines()[0]}")
-    if "prompt" not in dataset.column_names:
-        fail(f"dataset {path!r} has no 'prompt' column (columns: {dataset.column_names}); rename the column "
-             "holding the prompts to 'prompt'")
-    if len(dataset) == 0:
-        fail(f"dataset {path!r} split {cfg.dataset_split!r} is empty")
+            dataset = datasets.load_dataset(path, cfg.dataset_config, split=split, streaming=cfg.streaming)
+        if cfg.streaming and not isinstance(dataset, datasets.IterableDataset):
+            dataset = dataset.to_iterable_dataset()
+    except (OSError, ValueError, KeyError, datasets.exceptions.DatasetNotFoundError) as e:  # OSError: unreachable Hub
+        fail(f"cannot load dataset {path!r} (split {split!r}): {str(e).splitlines()[0]}")
+    columns = dataset.column_names or list(next(iter(dataset)).keys())
+    if "prompt" not in columns:
+        fail(f"dataset {path!r} has no 'prompt' column (columns: {columns}); rename the column holding the "
+             "prompts to 'prompt'")
+    if not cfg.streaming and len(dataset) == 0:
+        fail(f"dataset {path!r} split {split!r} is empty")
     return dataset
+
+
+def check_prompt_lengths(dataset, tokenizer, model, cfg):
+    """Every prompt (after the chat template) plus max_completion_length must fit the model's context."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is None or not hasattr(dataset, "__len__"):
+        return
+    texts = rollout.prompt_texts(tokenizer, dataset["prompt"], cfg.chat_template_kwargs)
+    longest = max(len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids)
+    if longest + cfg.max_completion_length > limit:
+        fail(f"the longest prompt has {longest} tokens; with max_completion_length={cfg.max_completion_length} "
+             f"that exceeds the model's {limit} positions. Drop long prompts or lower --max_completion_length")
 
 
 def prepare_model(model, cfg, world_size, trainable):
@@ -282,6 +305,34 @@ def prompt_indices(step, num_rows, prompts_per_rank, rank, world_size, seed, shu
              else torch.arange(num_rows))
     start = i * per_step + rank * prompts_per_rank
     return order[start:start + prompts_per_rank].tolist()
+
+
+def prompt_batches(dataset, cfg, prompts_per_rank, rank, world_size, start):
+    """Rows (a dict of column lists) for every generation step from `start` on, this rank's share only.
+
+    Map-style: prompt_indices, so resuming at any step is exact. Streaming: each rank reads its own part of the
+    stream (split_dataset_by_node), shuffled in a buffer, skipping what the first `start` steps consumed.
+    """
+    if hasattr(dataset, "__len__"):
+        for step in itertools.count(start):
+            yield dataset[prompt_indices(step, len(dataset), prompts_per_rank, rank, world_size, cfg.seed,
+                                         cfg.shuffle_dataset)]
+    from datasets.distributed import split_dataset_by_node
+
+    stream = split_dataset_by_node(dataset, rank=rank, world_size=world_size)
+    if cfg.shuffle_dataset:
+        stream = stream.shuffle(seed=cfg.seed, buffer_size=1000)
+    rows, to_skip = [], start * prompts_per_rank
+    for epoch in itertools.count():
+        stream.set_epoch(epoch)
+        for row in stream:
+            if to_skip:
+                to_skip -= 1
+                continue
+            rows.append(row)
+            if len(rows) == prompts_per_rank:
+                yield {key: [r[key] for r in rows] for key in rows[0]}
+                rows = []
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -375,16 +426,32 @@ class Logger:
         means = {k: (sum(v) / len(v) if v else None) for k, v in
                  ((k, [x for x in vs if not math.isnan(x)]) for k, vs in self.window.items())}
         self.window = {}
+        self.write(step, means)
+        return means
+
+    def write(self, step, metrics):
         if not self.is_main:
-            return means
-        self.jsonl.write(json.dumps({"step": step, **means}) + "\n")
+            return
+        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
         self.jsonl.flush()
         shown = ["reward", "reward_std", "kl", "entropy", "completions/mean_length", "loss", "grad_norm", "step_time"]
-        self.bar.write(f"step {step}: " + " ".join(f"{k.split('/')[-1]}={means[k]:.4g}" for k in shown
-                                                   if means.get(k) is not None))
+        prefix = "eval_" if any(k.startswith("eval_") for k in metrics) else ""
+        self.bar.write(f"step {step}: " + " ".join(f"{prefix}{k.split('/')[-1]}={metrics[prefix + k]:.4g}"
+                                                   for k in shown if metrics.get(prefix + k) is not None))
         if self.wandb:
-            self.wandb.log({k: v for k, v in means.items() if v is not None}, step=step)
-        return means
+            self.wandb.log({k: v for k, v in metrics.items() if v is not None}, step=step)
+
+    def completions(self, step, columns, rows):
+        """--log_completions: a few rows to stdout, and the table to wandb."""
+        if not self.is_main:
+            return
+        self.bar.write(f"step {step} completions:")
+        for row in rows[:4]:
+            self.bar.write("  " + " | ".join(f"{c}={v:.3g}" if isinstance(v, float) else f"{c}={v!r}"
+                                             for c, v in zip(columns, row)))
+        if self.wandb:
+            import wandb
+            self.wandb.log({"completions": wandb.Table(columns=columns, data=rows)}, step=step)
 
     def advance(self, reward):
         if self.is_main:
@@ -409,22 +476,28 @@ def save_hf(model, tokenizer, path, is_main):
         tokenizer.save_pretrained(path)
 
 
-def score(cfg, batch, prompts, texts, columns, reward_funcs, reward_weights, ref_model, autocast, step, world_size):
+def call_rewards(reward_funcs, rows, texts, batch, G, step):
+    """Reward functions on B = P*G completions: each prompt and dataset column repeated G times (SPEC §5);
+    conversational prompts get [{"role": "assistant", "content": text}] completions. -> [B, K], NaN = None."""
+    prompts = [p for p in rows["prompt"] for _ in range(G)]
+    completions = [[{"role": "assistant", "content": t}] if rollout.is_conversational(p) else t
+                   for p, t in zip(prompts, texts)]
+    columns = {c: [v for v in values for _ in range(G)] for c, values in rows.items() if c != "prompt"}
+    return rewards_lib.compute_rewards(reward_funcs, prompts, completions, batch["completion_lists"], columns,
+                                       step=step).to(batch["completion_mask"].device)
+
+
+def score(cfg, batch, rows, texts, reward_funcs, reward_weights, ref_model, autocast, step, world_size):
     """Rewards, KL-shaped rewards and leave-one-out advantages of one generation batch (SPEC §1.3-1.5).
 
     Returns a dict: rewards_per_func [B, K] (NaN = None), rewards [B] (after clip and KL), kl_sums [B] or None,
     loss_mask [B, T], advantages [B].
     """
     G = cfg.num_generations
-    completions = [[{"role": "assistant", "content": t}] if rollout.is_conversational(p) else t
-                   for p, t in zip(prompts, texts)]
     loss_mask = batch["completion_mask"].float()  # [B, T]
     if cfg.mask_truncated_completions:  # no gradient and no KL; they still count in the mean and the baselines
         loss_mask = loss_mask * (~batch["truncated"]).float()[:, None]
-    rewards_per_func = rewards_lib.compute_rewards(
-        reward_funcs, prompts, completions, batch["completion_lists"],
-        {c: [v for v in values for _ in range(G)] for c, values in columns.items()}, step=step)  # [B, K]
-    rewards_per_func = rewards_per_func.to(loss_mask.device)
+    rewards_per_func = call_rewards(reward_funcs, rows, texts, batch, G, step)  # [B, K]
     rewards = combine_rewards(rewards_per_func, reward_weights.to(loss_mask.device), cfg.reward_clip_range)  # [B]
     kl_sums = None
     if cfg.beta > 0:  # r = R - beta * kl, k1 with the sampler's log-probs as log pi_old (paper §3, SPEC §2)
@@ -472,6 +545,34 @@ def policy_step(cfg, model, optimizer, scheduler, batch, loss_mask, advantages, 
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return torch.cat(seq_logps_all), stats, grad_norm
+
+
+@torch.no_grad()
+def evaluate(cfg, model, tokenizer, dataset, reward_funcs, reward_names, reward_weights, prompts_per_rank, rank,
+             world_size, device, step):
+    """Sample G completions for every eval prompt and score them: the generation metrics, prefixed eval_.
+
+    Each rank takes its share of every chunk of prompts; indices wrap so all ranks call generate equally often
+    (FSDP2 all-gathers in lockstep), and the wrapped duplicates are dropped before the metrics.
+    """
+    G, n, parts = cfg.num_generations, len(dataset), []
+    for start in range(0, n, prompts_per_rank * world_size):
+        index = [start + rank * prompts_per_rank + j for j in range(prompts_per_rank)]
+        rows = dataset[[i % n for i in index]]
+        batch = rollout.generate(model, tokenizer, rollout.prompt_texts(tokenizer, rows["prompt"],
+                                                                        cfg.chat_template_kwargs), cfg, device)
+        texts = tokenizer.batch_decode(batch["completion_lists"], skip_special_tokens=True)
+        rewards_per_func = call_rewards(reward_funcs, rows, texts, batch, G, step)
+        valid = torch.tensor([i < n for i in index for _ in range(G)], device=device)
+        parts.append(torch.cat([rewards_per_func, batch["completion_mask"].sum(-1, keepdim=True).float(),
+                                batch["truncated"][:, None].float(), valid[:, None].float()], -1))
+    table = gather(torch.cat(parts).T, world_size).T  # [all completions, K + 3]
+    table = table[table[:, -1] > 0]  # drop the wrapped duplicates (whole groups: a group shares its prompt index)
+    K = len(reward_funcs)
+    rewards = combine_rewards(table[:, :K], reward_weights.to(table.device), cfg.reward_clip_range)
+    metrics = generation_metrics(table[:, :K], reward_names, reward_weights.to(table.device), rewards, table[:, K],
+                                 table[:, K + 1], None, None, G)
+    return {f"eval_{k}": v for k, v in metrics.items()}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -566,10 +667,10 @@ def export_checkpoint(path, out_dir):
     print(f"rloo: exported {path} -> {out_dir}")
 
 
-def show_samples(title, prompts, completions, rewards, n=3):
+def show_samples(title, prompts, G, completions, rewards, n=3):
     from tqdm import tqdm  # tqdm.write keeps the progress bar intact
     tqdm.write(f"--- {title} ---")
-    for p, c, r in list(zip(prompts, completions, rewards))[:n]:
+    for p, c, r in list(zip([p for p in prompts for _ in range(G)], completions, rewards))[:n]:
         tqdm.write(f"  {p!r} -> {c!r}  reward={r:.2f}")
 
 
@@ -586,19 +687,14 @@ def main(argv=None):
     is_main = rank == 0
     check_config(cfg, world_size)
     G = cfg.num_generations
-    reward_funcs = []
-    for spec in cfg.reward_funcs:
-        try:
-            reward_funcs.append(rewards_lib.load_reward_func(spec))
-        except ValueError as e:
-            fail(str(e))
-    reward_names = [rewards_lib.reward_name(f) for f in reward_funcs]
-    reward_weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_funcs))
+    per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # completions per rank per step
+    prompts_per_rank = per_rank // G
 
-    # --- data, model, reference (the data first: it is cheaper to find out it is wrong) ---
+    # --- data, model, reference, rewards (the data first: it is cheaper to find out it is wrong) ---
     if cfg.model is not None and cfg.dataset is None:
         fail("--model needs --dataset (a dataset with a 'prompt' column)")
-    dataset = load_data(cfg) if cfg.dataset is not None else None
+    dataset = load_data(cfg, cfg.dataset_split) if cfg.dataset is not None else None
+    eval_dataset = load_data(cfg, cfg.eval_split) if cfg.eval_split and cfg.dataset else None
     if cfg.model is None:
         model, tokenizer, embedded_dataset = embedded_task(cfg.seed)
         ref_model = embedded_task(cfg.seed)[0] if cfg.beta > 0 else None
@@ -608,17 +704,24 @@ def main(argv=None):
         ref_model = load_model(cfg.model)[0] if cfg.beta > 0 else None  # beta == 0: never loaded (SPEC §1.4)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    check_prompt_lengths(dataset, tokenizer, model, cfg)
+    if hasattr(dataset, "__len__") and len(dataset) < prompts_per_rank * world_size:
+        fail(f"dataset has {len(dataset)} rows but one step needs {prompts_per_rank * world_size} prompts; "
+             "lower per_device_train_batch_size or gradient_accumulation_steps")
     model = prepare_model(model.to(device), cfg, world_size, trainable=True)
     if ref_model is not None:
         ref_model = prepare_model(ref_model.to(device), cfg, world_size, trainable=False)
-    columns = [c for c in dataset.column_names if c != "prompt"]
+    reward_funcs = []
+    for spec in cfg.reward_funcs:  # reward models are placed and sharded like the reference model
+        try:
+            reward_funcs.append(rewards_lib.load_reward_func(
+                spec, lambda m: prepare_model(m, cfg, world_size, trainable=False), device))
+        except ValueError as e:
+            fail(str(e))
+    reward_names = [rewards_lib.reward_name(f) for f in reward_funcs]
+    reward_weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_funcs))
 
-    per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # completions per rank per step
-    prompts_per_rank = per_rank // G
-    if len(dataset) < prompts_per_rank * world_size:
-        fail(f"dataset has {len(dataset)} rows but one step needs {prompts_per_rank * world_size} prompts; "
-             "lower per_device_train_batch_size or gradient_accumulation_steps")
-    steps_per_epoch = len(dataset) // (prompts_per_rank * world_size)
+    steps_per_epoch = len(dataset) // (prompts_per_rank * world_size) if hasattr(dataset, "__len__") else None
     total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch) * cfg.num_iterations
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
@@ -643,20 +746,18 @@ def main(argv=None):
     logger.window = window
     start_step = saved_step = step
     nonfinite_in_a_row = 0
+    batches = prompt_batches(dataset, cfg, prompts_per_rank, rank, world_size, step // cfg.num_iterations)
 
     while step < total_steps:
         t_start = time.perf_counter()
         # ======== 1. Sample: G completions per prompt (SPEC §1.1-1.2) ========
-        rows = dataset[prompt_indices(step // cfg.num_iterations, len(dataset), prompts_per_rank, rank, world_size,
-                                      cfg.seed, cfg.shuffle_dataset)]
-        prompts = [p for p in rows["prompt"] for _ in range(G)]  # [B], group members adjacent
+        rows = next(batches)  # this rank's P prompts and their columns
         batch = rollout.generate(model, tokenizer, rollout.prompt_texts(tokenizer, rows["prompt"],
                                                                         cfg.chat_template_kwargs), cfg, device)
         t_generated = time.perf_counter()
         texts = tokenizer.batch_decode(batch["completion_lists"], skip_special_tokens=True)
         # ======== 2. Score, KL-shape, leave-one-out advantages ========
-        scored = score(cfg, batch, prompts, texts, {c: rows[c] for c in columns}, reward_funcs, reward_weights,
-                       ref_model, autocast, step, world_size)
+        scored = score(cfg, batch, rows, texts, reward_funcs, reward_weights, ref_model, autocast, step, world_size)
         t_scored = time.perf_counter()
         completion_lengths = gather(batch["completion_mask"].sum(-1).float(), world_size)  # [world * B]
         gen_metrics = generation_metrics(
@@ -669,7 +770,7 @@ def main(argv=None):
                             "tokens_per_second/generation": completion_lengths.sum().item() / (t_generated - t_start)})
         step_tokens = gather((batch["prompt_mask"].sum(-1) + batch["completion_mask"].sum(-1)).float(), world_size)
         if step == 0 and is_main:
-            show_samples("before training", prompts, texts, scored["rewards_per_func"].nansum(-1).tolist())
+            show_samples("before training", rows["prompt"], G, texts, scored["rewards_per_func"].nansum(-1).tolist())
 
         # ======== 3. Policy update: num_iterations passes over the batch, one optimizer step each ========
         old_logps = None  # num_iterations > 1: s_old is stored by the first pass (same weights as the sampler)
@@ -701,6 +802,14 @@ def main(argv=None):
             logger.advance(gen_metrics["reward"])
             if step % cfg.logging_steps == 0 or step == total_steps:
                 logger.log(step)
+                if cfg.log_completions:
+                    rows_out = [[step, p, c, *r, a] for p, c, r, a in zip(
+                        [p for p in rows["prompt"] for _ in range(G)], texts,
+                        scored["rewards_per_func"].tolist(), scored["advantages"].tolist())]
+                    logger.completions(step, ["step", "prompt", "completion", *reward_names, "advantage"], rows_out)
+            if eval_dataset is not None and step % cfg.eval_steps == 0:
+                logger.write(step, evaluate(cfg, model, tokenizer, eval_dataset, reward_funcs, reward_names,
+                                            reward_weights, prompts_per_rank, rank, world_size, device, step))
             if nonfinite_in_a_row >= cfg.max_nonfinite_steps:
                 fail(f"{nonfinite_in_a_row} optimizer steps in a row had a NaN/inf gradient (all skipped); stopping. "
                      f"The last checkpoint in {cfg.output_dir!r} is intact. Check rewards and learning rate.")
@@ -723,7 +832,7 @@ def main(argv=None):
             return
 
     if is_main and step > start_step:
-        show_samples("after training", prompts, texts, scored["rewards_per_func"].nansum(-1).tolist())
+        show_samples("after training", rows["prompt"], G, texts, scored["rewards_per_func"].nansum(-1).tolist())
     save_hf(model, tokenizer, cfg.output_dir, is_main)
     logger.close()
     if is_main:

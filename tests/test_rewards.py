@@ -146,3 +146,24 @@ def test_think_format_and_soft_overlong():
     assert rewards.think_format_reward(["<think>a</think>b", "<think>a<think>b</think>", "b"]) == [1.0, 0.0, 0.0]
     punish = rewards.soft_overlong_punishment(max_completion_len=10, soft_punish_cache=4)
     assert punish(completion_ids=[[0] * 6, [0] * 8, [0] * 10, [0] * 11]) == [0.0, -0.5, -1.0, -1.0]
+
+
+def test_reward_model_scores_prompt_plus_completion_with_logits_column_zero(reward_model_dir):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    rm = load_reward_func(str(reward_model_dir))
+    assert reward_name(rm) == "tiny-rm"
+    conversation = [{"role": "user", "content": "2+2?"}]
+    completions = ["4", "five", [{"role": "assistant", "content": "4"}]]
+    got = rm(prompts=["2+2?", "2+2?", conversation], completions=completions)
+    model = AutoModelForSequenceClassification.from_pretrained(reward_model_dir)
+    tok = AutoTokenizer.from_pretrained(reward_model_dir)
+    texts = ["2+2?4", "2+2?five", tok.apply_chat_template(conversation + completions[2], tokenize=False)]
+    with torch.no_grad():
+        want = [model(**tok(t, return_tensors="pt")).logits[0, 0].item() for t in texts]  # one at a time, no padding
+    assert got == pytest.approx(want, abs=1e-5)
+    assert len(set(round(x, 4) for x in got)) == 3
+
+
+def test_unknown_model_like_name_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="cannot load reward model"):
+        load_reward_func(str(tmp_path))  # a directory without a model

@@ -438,3 +438,91 @@ def test_launch_script_single_node_and_slurm_dry_run(tmp_path):
                           text=True, cwd=ROOT, env=env)
     assert real.returncode == 0, real.stderr[-3000:]
     assert "2 process(es)" in real.stdout and len(read_metrics(tmp_path)) == 3
+
+
+# ------------------------------------------------------------------------------------------------ data & rewards
+
+def write_formats(tmp_path):
+    """The same 8 rows as json, jsonl, parquet, csv, a save_to_disk Dataset and a save_to_disk DatasetDict."""
+    from datasets import Dataset, DatasetDict
+    ds = Dataset.from_dict({"prompt": [f"{i}{i}=" for i in range(8)], "target": [f"{i}{i}" for i in range(8)]})
+    paths = {}
+    for ext in ("json", "jsonl", "parquet", "csv"):
+        paths[ext] = tmp_path / f"data.{ext}"
+        {"json": ds.to_json, "jsonl": ds.to_json, "parquet": ds.to_parquet, "csv": ds.to_csv}[ext](paths[ext])
+    ds.save_to_disk(tmp_path / "disk")
+    DatasetDict(train=ds, test=ds.select(range(4))).save_to_disk(tmp_path / "dict")
+    return paths, tmp_path / "disk", tmp_path / "dict"
+
+
+def test_every_dataset_format_loads_with_its_columns(tmp_path):
+    paths, disk, dict_dir = write_formats(tmp_path)
+    for path in [*paths.values(), disk, dict_dir]:
+        cfg = cfg_for(dataset=str(path))
+        ds = train.load_data(cfg, "train")
+        assert len(ds) == 8 and ds[3]["prompt"] == "33=" and str(ds[3]["target"]) in ("33", "33.0")
+    assert len(train.load_data(cfg_for(dataset=str(dict_dir)), "test")) == 4
+    stream = train.load_data(cfg_for(dataset=str(paths["jsonl"]), streaming=True), "train")
+    assert [r["prompt"] for r in stream][:2] == ["00=", "11="]
+    with pytest.raises(SystemExit, match="cannot load dataset"):
+        train.load_data(cfg_for(dataset=str(dict_dir)), "validation")
+
+
+def test_hub_dataset_name_goes_through_load_dataset(tmp_path):
+    out = run(["--dataset", "no-such-org/no-such-dataset"], env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    assert out.returncode != 0 and "cannot load dataset 'no-such-org/no-such-dataset'" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_streaming_run_and_its_guard(tmp_path):
+    paths, _, _ = write_formats(tmp_path)
+    args = ["--dataset", str(paths["jsonl"]), "--per_device_train_batch_size", "8", "--num_generations", "4",
+            "--logging_steps", "1"]
+    assert "set --max_steps" in run(args + ["--streaming", "--max_steps", "-1"]).stderr
+    out = run(args + ["--streaming", "--max_steps", "5", "--output_dir", str(tmp_path / "run")])  # > 1 epoch
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(read_metrics(tmp_path / "run")) == 5
+
+
+def test_prompt_too_long_for_the_model_fails_before_training(tmp_path, chat_model_dir):
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt": "x" * 300}) + "\n")
+    out = run(["--model", str(chat_model_dir), "--dataset", str(long), "--reward_funcs", "think_format_reward"])
+    assert out.returncode != 0 and "the longest prompt has 300 tokens" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_conversational_math_run_with_builtin_rewards_reward_model_and_eval(tmp_path, chat_model_dir,
+                                                                            reward_model_dir):
+    """The issue's end-to-end check: a local conversational math dataset, accuracy_reward + think_format_reward
+    (+ a reward model), chat template applied by the trainer, an eval split, completions logged."""
+    from datasets import load_dataset
+    data = load_dataset("json", data_files=os.path.join(ROOT, "tests", "data", "math.jsonl"), split="train")
+    data.train_test_split(test_size=8, seed=0).save_to_disk(tmp_path / "math")
+    out = run(["--model", str(chat_model_dir), "--dataset", str(tmp_path / "math"), "--eval_split", "test",
+               "--eval_steps", "2", "--reward_funcs", "accuracy_reward", "think_format_reward", str(reward_model_dir),
+               "--reward_weights", "1", "0.5", "0.1", "--num_generations", "4", "--per_device_train_batch_size", "8",
+               "--max_completion_length", "12", "--max_steps", "2", "--logging_steps", "1", "--bf16", "false",
+               "--log_completions", "--chat_template_kwargs", '{"unused_flag": true}',
+               "--output_dir", str(tmp_path / "run")])
+    assert out.returncode == 0, out.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "run")
+    train_logs = [m for m in metrics if "reward" in m]
+    assert len(train_logs) == 2
+    for name in ("accuracy_reward", "think_format_reward", "tiny-rm"):
+        assert f"rewards/{name}/mean" in train_logs[-1]
+    (evals,) = [m for m in metrics if "eval_reward" in m]
+    assert evals["step"] == 2 and "eval_rewards/tiny-rm/mean" in evals
+    assert "step 1 completions:" in out.stdout and "accuracy_reward=" in out.stdout and "advantage=" in out.stdout
+
+
+def test_reward_function_crash_names_it_and_keeps_the_last_checkpoint(tmp_path):
+    bad = tmp_path / "flaky.py"
+    bad.write_text("def flaky_reward(completions, step, **kw):\n"
+                   "    if step >= 3:\n        raise ZeroDivisionError('bad batch')\n"
+                   "    return [0.0] * len(completions)\n")
+    out = run(FAST + ["--max_steps", "6", "--save_steps", "2", "--reward_funcs", f"{bad}:flaky_reward",
+                      "--output_dir", str(tmp_path / "run")])
+    assert out.returncode != 0
+    assert "reward function 'flaky_reward' raised ZeroDivisionError: bad batch" in out.stderr
+    assert 'flaky.py", line 3' in out.stderr  # the original traceback is shown
+    assert [os.path.basename(p) for p in train.checkpoint_dirs(str(tmp_path / "run"))] == ["checkpoint-2"]
