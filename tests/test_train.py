@@ -131,20 +131,18 @@ def test_mask_truncated_completions_drops_their_tokens_but_keeps_their_reward_in
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    texts = ["a", "b", "c", "d"]
+    texts, rows = ["a", "b", "c", "d"], {"prompt": ["12=", "345="]}
     R = [1.0, 3.0, 0.0, 2.0]
     no_kl = autocast = torch.autocast("cpu", enabled=False)
     for masked in (False, True):
         cfg.mask_truncated_completions, cfg.beta = masked, 0.0
-        out = train.score(cfg, batch, ["12="] * 2 + ["345="] * 2, texts, {}, [constant_reward(R)], torch.ones(1),
-                          None, no_kl, 0, 1)
+        out = train.score(cfg, batch, rows, texts, [constant_reward(R)], torch.ones(1), None, no_kl, 0, 1)
         assert out["loss_mask"][1].sum().item() == (0 if masked else 4)
         assert out["loss_mask"][3].sum().item() == 4
         # the truncated completion's reward still enters its sibling's baseline: A = +-(1 - 3)
         assert out["advantages"].tolist() == [-2.0, 2.0, -2.0, 2.0]
         cfg.beta = 0.5
-        out = train.score(cfg, batch, ["12="] * 2 + ["345="] * 2, texts, {}, [constant_reward(R)], torch.ones(1),
-                          ref, autocast, 0, 1)
+        out = train.score(cfg, batch, rows, texts, [constant_reward(R)], torch.ones(1), ref, autocast, 0, 1)
         if masked:
             assert out["kl_sums"][1].item() == 0.0  # no KL for a masked completion
         assert out["kl_sums"][0].item() != 0.0
@@ -162,10 +160,8 @@ def test_kl_from_sampler_logps_equals_two_pass_computation():
     batch = rollout.generate(model, tokenizer, ["12=", "345=", "6789="], cfg, torch.device("cpu"))
     autocast = torch.autocast("cpu", enabled=False)
     texts = tokenizer.batch_decode(batch["completion_lists"], skip_special_tokens=True)
-    targets = {"target": ["21", "543", "9876"]}
-    prompts = [p for p in ["12=", "345=", "6789="] for _ in range(4)]
-    ours = train.score(cfg, batch, prompts, texts, targets, [train.rewards_lib.task_reward], torch.ones(1), ref,
-                       autocast, 0, 1)
+    rows = {"prompt": ["12=", "345=", "6789="], "target": ["21", "543", "9876"]}
+    ours = train.score(cfg, batch, rows, texts, [train.rewards_lib.task_reward], torch.ones(1), ref, autocast, 0, 1)
     with torch.no_grad():  # the plain two-pass way: score the policy and the reference on the finished batch
         old, _, T = train.forward_logps(model, batch, slice(None), cfg.temperature, autocast)
         ref_logps, _, _ = train.forward_logps(ref, batch, slice(None), cfg.temperature, autocast)
@@ -400,7 +396,8 @@ def test_save_total_limit_export_and_guards(tmp_path, tiny_model_dir):
     assert again.returncode != 0 and "holds another run's checkpoints" in again.stderr
     # a checkpoint of another model
     other = run(["--model", str(tiny_model_dir), "--dataset", str(tiny_model_dir / "data.jsonl"), "--reward_funcs",
-                 "task_reward", "--output_dir", str(tmp_path), "--resume_from_checkpoint", "latest"])
+                 "task_reward", "--max_completion_length", "4", "--output_dir", str(tmp_path),
+                 "--resume_from_checkpoint", "latest"])
     assert other.returncode != 0 and "was trained from model None" in other.stderr and "Traceback" not in other.stderr
     missing = run(FAST + ["--output_dir", str(tmp_path / "new"), "--resume_from_checkpoint", "/no/such/ckpt"])
     assert missing.returncode != 0 and "not a finished checkpoint directory" in missing.stderr
