@@ -84,6 +84,13 @@ def test_embedded_preset_applies_only_without_model_and_flags_win():
     (["--reward_funcs", "task_reward", "--reward_weights", "1", "2"], "2 reward_weights for 1 reward_funcs"),
     (["--beta", "-1"], "beta=-1.0 must be >= 0"),
     (["--temperature", "0"], "temperature=0.0 must be > 0"),
+    (["--num_iterations", "0"], "num_iterations=0 must be >= 1"),
+    (["--epsilon", "1.5"], "epsilon=1.5 must be in [0, 1)"),
+    (["--max_completion_length", "0"], "max_completion_length=0 must be >= 1"),
+    (["--reward_clip_range", "1", "0"], "reward_clip_range=[1.0, 0.0]"),
+    (["--reward_funcs", "no_file.py:fn"], "reward function file 'no_file.py' does not exist"),
+    (["--cpu_offload"], "cpu_offload shards with FSDP2"),
+    (["--chat_template_kwargs", "{bad"], "chat_template_kwargs is not valid JSON"),
     (["--model", "/no/such/model", "--dataset", "tests/data/math.jsonl", "--reward_funcs", "accuracy_reward"],
      "cannot load model '/no/such/model'"),
     (["--dataset", "/no/such/data.jsonl"], "cannot load dataset '/no/such/data.jsonl'"),
@@ -305,11 +312,12 @@ def worker(out, torchrun, *flags):
     return torch.load(out)
 
 
-@pytest.mark.parametrize("flags, tol", [(["--bf16", "false"], 1e-5), (["--bf16", "true"], 0.05)])
+@pytest.mark.parametrize("flags, tol", [(["--bf16", "false"], 1e-5), (["--bf16", "true"], 0.05),
+                                        (["--bf16", "false", "--cpu_offload", "true"], 1e-5)])
 def test_two_process_fsdp_step_equals_one_process_step(tmp_path, flags, tol):
     """The same global batch of 16: 1 process (2 micro-steps of 8) vs 2 FSDP2 ranks (2 micro-steps of 4 each).
-    fp32: same loss, gradient norm and updated weights to float tolerance; bf16 (autocast vs FSDP2
-    MixedPrecisionPolicy) agrees to bf16 tolerance."""
+    fp32 (also with FSDP2 CPU offload): same loss, gradient norm and updated weights to float tolerance;
+    bf16 (autocast vs FSDP2 MixedPrecisionPolicy) agrees to bf16 tolerance."""
     one = worker(tmp_path / "one.pt", False, *flags)
     two = worker(tmp_path / "two.pt", True, *flags)
     assert abs(one["loss"]) > 1e-3
