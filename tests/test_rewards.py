@@ -142,6 +142,14 @@ def test_accuracy_reward_math_verify():
     assert out == [1.0, 1.0, 0.0, 1.0, None]
 
 
+def test_accuracy_reward_is_safe_off_the_main_thread():
+    """math-verify's signal-based timeout only works on the main thread; in a worker thread we run without it."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(1) as pool:
+        out = pool.submit(rewards.accuracy_reward, ["\\boxed{2}", "\\boxed{3}"], solution=["$2$", "$2$"]).result()
+    assert out == [1.0, 0.0]
+
+
 def test_think_format_and_soft_overlong():
     assert rewards.think_format_reward(["<think>a</think>b", "<think>a<think>b</think>", "b"]) == [1.0, 0.0, 0.0]
     punish = rewards.soft_overlong_punishment(max_completion_len=10, soft_punish_cache=4)

@@ -41,6 +41,8 @@ def test_prompt_texts_apply_chat_template_only_to_conversations(tiny):
     conversation = [{"role": "user", "content": "12="}]
     assert rollout.prompt_texts(tok, ["12=", conversation]) == ["12=", "<user>12=<assistant>"]
     assert rollout.is_conversational(conversation) and not rollout.is_conversational("12=")
+    tok.chat_template = "{% if terse %}T{% endif %}{{ messages[0].content }}"
+    assert rollout.prompt_texts(tok, [conversation], {"terse": True}) == ["T12="]
 
 
 def test_generate_groups_masks_and_padding(tiny):

@@ -101,11 +101,15 @@ def test_bad_config_fails_at_startup_with_one_clear_line(args, message):
     assert message in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
 
 
-def test_dataset_without_prompt_column_fails_at_startup(tiny_model_dir, tmp_path):
+def test_dataset_without_prompt_column_or_rows_fails_at_startup(tiny_model_dir, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "1=", "target": "1"}\n' * 8)
     out = run(["--model", str(tiny_model_dir), "--dataset", str(bad), "--reward_funcs", "task_reward"])
     assert out.returncode != 0 and "no 'prompt' column" in out.stderr and "Traceback" not in out.stderr
+    from datasets import Dataset
+    Dataset.from_dict({"prompt": [], "target": []}).to_parquet(tmp_path / "empty.parquet")
+    out = run(["--dataset", str(tmp_path / "empty.parquet")])  # datasets itself refuses an empty split
+    assert out.returncode != 0 and "corresponds to no data" in out.stderr and "Traceback" not in out.stderr
 
 
 # ------------------------------------------------------------------------------------------------ step functions
@@ -278,14 +282,16 @@ def wandb_records(path):
 
 
 def test_wandb_offline_run_files_hold_the_logged_metrics(tmp_path):
-    out = run(FAST + ["--report_to", "wandb", "--output_dir", str(tmp_path)],
+    out = run(FAST + ["--report_to", "wandb", "--log_completions", "--output_dir", str(tmp_path)],
               env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     assert out.returncode == 0, out.stderr[-3000:]
     (run_file,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
     history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
                for r in wandb_records(run_file) if r.WhichOneof("record_type") == "history"]
     logged = read_metrics(tmp_path)
-    assert len(history) == 3
+    tables = [h["completions"] for h in history if "completions" in h]
+    history = [h for h in history if "reward" in h]
+    assert len(history) == 3 and len(tables) == 3 and tables[0]["_type"] == "table-file"
     for h, m in zip(history, logged):
         assert h["reward"] == pytest.approx(m["reward"]) and h["loss"] == pytest.approx(m["loss"])
         assert "completions/clipped_ratio" in h
