@@ -289,9 +289,11 @@ def test_wandb_offline_run_files_hold_the_logged_metrics(tmp_path):
     history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
                for r in wandb_records(run_file) if r.WhichOneof("record_type") == "history"]
     logged = read_metrics(tmp_path)
-    tables = [h["completions"] for h in history if "completions" in h]
-    history = [h for h in history if "reward" in h]
-    assert len(history) == 3 and len(tables) == 3 and tables[0]["_type"] == "table-file"
+    assert len(history) == 3
+    assert all(h["completions/_type"] == "table-file" and h["completions/nrows"] == 16 for h in history)
+    (table_file, *_) = sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "files" / "media" / "table" / "*.json")))
+    table = json.load(open(table_file))
+    assert table["columns"] == ["step", "prompt", "completion", "task_reward", "advantage"] and len(table["data"]) == 16
     for h, m in zip(history, logged):
         assert h["reward"] == pytest.approx(m["reward"]) and h["loss"] == pytest.approx(m["loss"])
         assert "completions/clipped_ratio" in h
