@@ -66,7 +66,7 @@ def normalize_advantages(advantages):
     return (advantages - advantages.mean()) / (advantages.std() + 1e-4)
 
 
-def rloo_loss(logps, old_logps, advantages, epsilon_low, epsilon_high, num_sequences):
+def rloo_loss(logps, old_logps, advantages, epsilon_low, epsilon_high, num_sequences, is_weights=None):
     """Sequence-level clipped surrogate, summed here and divided by the optimizer step's sequence count.
 
     logps, old_logps [B] sequence log-probs s_i = sum_t log pi(o_t) (sum, not mean); advantages [B].
@@ -74,11 +74,15 @@ def rloo_loss(logps, old_logps, advantages, epsilon_low, epsilon_high, num_seque
     where N = num_sequences counts every sequence of the optimizer step (all micro-batches, all ranks),
     so summing micro-batch losses and averaging gradients over ranks gives the mean over the step.
     With old_logps = logps.detach() (num_iterations == 1) rho == 1 and the gradient is REINFORCE's A grad s.
+    is_weights [B] (optional, no gradient) multiply each sequence's term: truncated importance sampling when the
+    samples came from a generator whose log-probs differ from the trainer's.
     Returns the loss and per-sequence clip indicators (low, high) for the clip_ratio metrics.
     """
     ratio = torch.exp((logps - old_logps).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B]
     clipped_ratio = ratio.clamp(1 - epsilon_low, 1 + epsilon_high)
     surrogate = torch.min(ratio * advantages, clipped_ratio * advantages)  # [B]
+    if is_weights is not None:
+        surrogate = surrogate * is_weights
     loss = -surrogate.sum() / num_sequences
     low = (ratio < 1 - epsilon_low) & (advantages < 0)  # the clip bound is the active branch of the min
     high = (ratio > 1 + epsilon_high) & (advantages > 0)

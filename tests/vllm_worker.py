@@ -1,0 +1,62 @@
+"""Train a few RLOO steps with vLLM generating (colocate or server), push the weights, then check that the engine
+agrees with the trainer: greedy completions identical, and the log-probs vLLM returns for sampled completions equal
+the trainer's forward. Runs as one process or under torchrun; rank 0 writes a JSON report to argv[1].
+    python tests/vllm_worker.py OUT.json --model DIR [--vllm_mode server --vllm_server_port P ...]"""
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import rollout  # noqa: E402
+import train  # noqa: E402
+
+out_path, flags = sys.argv[1], sys.argv[2:]
+rank, world_size, device = train.setup_distributed()
+cfg = train.parse_config(["--use_vllm", "--bf16", "false", "--num_generations", "4", "--per_device_train_batch_size",
+                          "8", "--max_completion_length", "8", "--temperature", "0.9", "--dataset", "x",
+                          "--reward_funcs", "think_format_reward", "--output_dir",
+                          os.path.join(os.path.dirname(out_path), "vllm_run")] + flags)
+model, tokenizer = train.load_model(cfg.model)
+eos_ids = rollout.eos_token_ids(tokenizer, model)
+model = train.prepare_model(model, cfg, world_size, trainable=True)
+engine = train.start_generator(cfg, model, tokenizer, rank, world_size, device)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # large steps: the weights really move
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+autocast = torch.autocast("cpu", enabled=False)
+prompts = [["What is 2+2?", "Say hi."], ["Count: 1 2 3", "abc"]][rank % 2]
+greedy_cfg = train.parse_config(["--num_generations", "1", "--max_completion_length", "12", "--temperature", "0"])
+train.push_weights(engine, model, cfg, rank == 0, world_size)
+report = {"drift": [], "greedy_before": rollout.generate_vllm(engine, tokenizer, prompts, greedy_cfg, device,
+                                                              eos_ids)["completion_lists"]}
+for step in range(3):
+    train.push_weights(engine, model, cfg, rank == 0, world_size)
+    batch = rollout.generate_vllm(engine, tokenizer, prompts, cfg, device, eos_ids)
+    with torch.no_grad():  # the log-probs vLLM returned vs the trainer's forward on the same (pushed) weights
+        logps, _, T = train.forward_logps(model, batch, slice(None), cfg.temperature, autocast)
+    mask = batch["completion_mask"][:, :T]
+    report["drift"].append(((batch["sampler_logps"][:, :T] - logps).abs() * mask).max().item())
+    advantages = torch.randn(len(batch["completion_lists"]))
+    train.policy_step(cfg, model, optimizer, scheduler, batch, mask.float(), advantages, None, autocast, 8)
+
+train.push_weights(engine, model, cfg, rank == 0, world_size)
+from_vllm = rollout.generate_vllm(engine, tokenizer, prompts, greedy_cfg, device, eos_ids)["completion_lists"]
+enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+model.eval()
+with torch.no_grad(), rollout.unsharded(model):
+    hf = model.generate(**enc, do_sample=False, max_new_tokens=12, eos_token_id=eos_ids,
+                        pad_token_id=tokenizer.pad_token_id)[:, enc.input_ids.shape[1]:]
+from_hf = rollout.completion_masks(hf, eos_ids, tokenizer.pad_token_id)
+from_hf = [ids[:int(n)] for ids, n in zip(from_hf[0].tolist(), from_hf[1].sum(-1))]
+report.update(greedy_vllm=from_vllm, greedy_hf=from_hf, greedy_equal=from_vllm == from_hf)
+reports = [None] * world_size
+if world_size > 1:
+    torch.distributed.all_gather_object(reports, report)
+else:
+    reports = [report]
+if rank == 0:
+    with open(out_path, "w") as f:
+        json.dump(reports, f)
+train.shutdown(engine, world_size)
