@@ -789,7 +789,8 @@ def main(argv=None):
     engine_step = -1  # the optimizer step whose weights the generator holds
 
     steps_per_epoch = len(dataset) // (prompts_per_rank * world_size) if hasattr(dataset, "__len__") else None
-    total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch) * cfg.num_iterations
+    total_steps = (cfg.max_steps if cfg.max_steps > 0
+                   else math.ceil(cfg.num_train_epochs * steps_per_epoch) * cfg.num_iterations)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
@@ -903,18 +904,19 @@ def main(argv=None):
                                                                     window=logger.window), rank, world_size)
             saved_step = step
         if stop_requested.item():
-            logger.close()
-            if is_main:
-                print(f"rloo: SIGTERM: saved checkpoint-{step} in {cfg.output_dir}; resume with "
-                      "--resume_from_checkpoint latest")
-            return
+            break
 
-    if is_main and step > start_step:
-        show_samples("after training", rows["prompt"], G, texts, scored["rewards_per_func"].nansum(-1).tolist())
-    save_hf(model, tokenizer, cfg.output_dir, is_main)
     logger.close()
-    if is_main:
-        print(f"rloo: metrics in {os.path.join(cfg.output_dir, 'metrics.jsonl')}, final model in {cfg.output_dir}")
+    if stop_requested.item():
+        if is_main:
+            print(f"rloo: SIGTERM: saved checkpoint-{step} in {cfg.output_dir}; resume with "
+                  "--resume_from_checkpoint latest")
+    else:
+        if is_main and step > start_step:
+            show_samples("after training", rows["prompt"], G, texts, scored["rewards_per_func"].nansum(-1).tolist())
+        save_hf(model, tokenizer, cfg.output_dir, is_main)
+        if is_main:
+            print(f"rloo: metrics in {os.path.join(cfg.output_dir, 'metrics.jsonl')}, final model in {cfg.output_dir}")
     shutdown(engine, world_size)
 
 

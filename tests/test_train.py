@@ -3,6 +3,7 @@ and learning on the embedded task."""
 
 import copy
 import glob
+import importlib.util
 import json
 import os
 import re
@@ -539,3 +540,32 @@ def test_reward_function_crash_names_it_and_keeps_the_last_checkpoint(tmp_path):
     assert "reward function 'flaky_reward' raised ZeroDivisionError: bad batch" in out.stderr
     assert 'flaky.py", line 3' in out.stderr  # the original traceback is shown
     assert [os.path.basename(p) for p in train.checkpoint_dirs(str(tmp_path / "run"))] == ["checkpoint-2"]
+
+
+def test_launch_script_vllm_server_layouts_dry_run():
+    env = {**os.environ, "NPROC_PER_NODE": "8", "VLLM_SERVER_MODEL": "Qwen/Qwen2-0.5B", "SLURM_JOB_ID": "5",
+           "NNODES": "3", "SLURM_JOB_NODELIST": "n[0-2]", "PATH": f"{ROOT}/tests/bin:{os.environ['PATH']}"}
+    out = subprocess.run(["bash", "launch.sh", "--dry-run", "--model", "Qwen/Qwen2-0.5B"], capture_output=True,
+                         text=True, cwd=ROOT, env=env)
+    server, trainer = out.stdout.splitlines()
+    assert server.startswith("srun --nodes=1 --ntasks=1 --nodelist=n2 env VLLM_SERVER_DEV_MODE=1 python -m "
+                             "vllm.entrypoints.openai.api_server --model Qwen/Qwen2-0.5B") and server.endswith("&")
+    assert trainer.split()[:3] == ["srun", "--nodes=2", "--ntasks-per-node=1"]  # the other two nodes train
+    assert "--rdzv_endpoint=n0:29500" in trainer
+    assert trainer.split()[-9:] == ["--model", "Qwen/Qwen2-0.5B", "--use_vllm", "--vllm_mode", "server",
+                                    "--vllm_server_host", "n2", "--vllm_server_port", "8000"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
+def test_launch_script_starts_a_vllm_server_and_trains_against_it(tmp_path, chat_model_dir):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NPROC_PER_NODE": "1", "VLLM_SERVER_MODEL": str(chat_model_dir),
+           "VLLM_SERVER_PORT": "18731", "VLLM_SERVER_ARGS": "--dtype float32 --kv-cache-memory-bytes 268435456 "
+                                                             "--enforce-eager"}
+    out = subprocess.run(["bash", "launch.sh", "--model", str(chat_model_dir), "--dataset",
+                          os.path.join(ROOT, "tests", "data", "math.jsonl"), "--reward_funcs", "accuracy_reward",
+                          "--bf16", "false", "--max_completion_length", "8", "--max_steps", "2", "--logging_steps",
+                          "1", "--output_dir", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, env=env,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2]
+    assert "time/weight_sync" in read_metrics(tmp_path)[0]
