@@ -2,6 +2,7 @@
 
     python bench.py                      # the embedded tiny model, 30 steps, beta=0.05 (reference forward included)
     python bench.py --max_steps 50 ...   # any train.py flag overrides the benchmark config
+    python bench.py --model DIR --dataset data.jsonl --reward_funcs accuracy_reward --use_vllm [--vllm_mode server]
     torchrun --standalone --nproc_per_node=2 bench.py
 
 Numbers come from the metrics train.py logs every step (logging_steps=1); the first 3 steps are warm-up and dropped.
@@ -29,12 +30,14 @@ def main():
         return
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         steps = [json.loads(line) for line in f][3:]
-    rows = ["step_time", "time/generation", "time/scoring", "time/training", "tokens_per_second/generation",
+    rows = ["step_time", "time/weight_sync", "time/generation", "time/scoring", "time/training",
+            "tokens_per_second/generation",
             "tokens_per_second/training", "completions/mean_length"]
     print(f"\nbench: median over {len(steps)} steps (after 3 warm-up steps)")
     for key in rows:
         values = [s[key] for s in steps if s.get(key) is not None]
-        print(f"  {key:32s} {statistics.median(values):10.4f}")
+        if values:  # time/weight_sync only with vLLM (time/generation includes it)
+            print(f"  {key:32s} {statistics.median(values):10.4f}")
     print(f"  {'steps_per_second':32s} {1 / statistics.median(s['step_time'] for s in steps):10.4f}")
     print(f"  {'peak_rss_mib':32s} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:10.1f}")
     if torch.cuda.is_available():

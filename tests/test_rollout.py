@@ -178,6 +178,14 @@ def test_train_with_vllm_logs_drift_and_sync_time(tmp_path, chat_model_dir, vllm
     metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert len(metrics) == 3
     assert all(m["sampling/sampling_logp_difference/mean"] < 1e-4 and m["time/weight_sync"] > 0 for m in metrics)
+    if mode == "colocate":  # the final model, saved in Hugging Face format, loads in vLLM as it is
+        load = subprocess.run([sys.executable, "-c", (
+            "import sys; from vllm import LLM, SamplingParams; "
+            "llm = LLM(model=sys.argv[1], dtype='float32', kv_cache_memory_bytes=2**27, enforce_eager=True); "
+            "print('TOKENS', llm.generate([{'prompt_token_ids': [5, 6]}], SamplingParams(max_tokens=3, "
+            "temperature=0, detokenize=False))[0].outputs[0].token_ids)"), str(tmp_path / "run")],
+            capture_output=True, text=True, timeout=300, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+        assert load.returncode == 0 and "TOKENS [" in load.stdout, load.stderr[-3000:]
 
 
 @requires_vllm
