@@ -356,20 +356,27 @@ def test_gradient_checkpointing_and_bf16_autocast_change_memory_not_math():
     torch.testing.assert_close(logps[2], logps[0], atol=0.1, rtol=0.05)  # ... and stays close
 
 
-def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("torchrun", [False, True])
+def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path, torchrun):
+    """Killed for real (SIGKILL to every process) after a checkpoint, resumed with `latest`: the metrics of every
+    later step equal those of a run that never stopped. Under torchrun the sharded checkpoint is read back."""
     args = ["--max_steps", "10", "--save_steps", "2", "--logging_steps", "1", "--per_device_train_batch_size", "32",
             "--beta", "0.05"]
-    whole = run(args + ["--output_dir", str(tmp_path / "whole")])
+    whole = run(args + ["--output_dir", str(tmp_path / "whole")], torchrun=torchrun)
     assert whole.returncode == 0, whole.stderr[-3000:]
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args, "--output_dir", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun \
+        else [sys.executable]
+    proc = subprocess.Popen(launcher + [os.path.join(ROOT, "train.py"), *args, "--output_dir", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     while not (out / "checkpoint-4" / "trainer_state.json").exists():
         assert proc.poll() is None, "run ended before its step-4 checkpoint"
         time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
+    # the launcher and every worker (torchrun starts workers in sessions of their own), no chance to clean up
+    subprocess.run(["pkill", "-KILL", "-f", "--", f"--output_dir {out}"])
     proc.wait()
-    resumed = run(args + ["--output_dir", str(out), "--resume_from_checkpoint", "latest"])
+    resumed = run(args + ["--output_dir", str(out), "--resume_from_checkpoint", "latest"], torchrun=torchrun)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     start = int(re.search(r"resumed from .*checkpoint-(\d+)", resumed.stdout).group(1))
     assert start >= 4 and start < 10
@@ -505,10 +512,12 @@ def test_prompt_too_long_for_the_model_fails_before_training(tmp_path, chat_mode
     assert out.returncode != 0 and "the longest prompt has 300 tokens" in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("torchrun", [False, True])
 def test_conversational_math_run_with_builtin_rewards_reward_model_and_eval(tmp_path, chat_model_dir,
-                                                                            reward_model_dir):
+                                                                            reward_model_dir, torchrun):
     """The issue's end-to-end check: a local conversational math dataset, accuracy_reward + think_format_reward
-    (+ a reward model), chat template applied by the trainer, an eval split, completions logged."""
+    (+ a reward model, FSDP2-sharded under torchrun), chat template applied by the trainer, an eval split,
+    completions logged."""
     from datasets import load_dataset
     data = load_dataset("json", data_files=os.path.join(ROOT, "tests", "data", "math.jsonl"), split="train")
     data.train_test_split(test_size=8, seed=0).save_to_disk(tmp_path / "math")
@@ -517,7 +526,7 @@ def test_conversational_math_run_with_builtin_rewards_reward_model_and_eval(tmp_
                "--reward_weights", "1", "0.5", "0.1", "--num_generations", "4", "--per_device_train_batch_size", "8",
                "--max_completion_length", "12", "--max_steps", "2", "--logging_steps", "1", "--bf16", "false",
                "--log_completions", "--chat_template_kwargs", '{"unused_flag": true}',
-               "--output_dir", str(tmp_path / "run")])
+               "--output_dir", str(tmp_path / "run")], torchrun=torchrun)
     assert out.returncode == 0, out.stderr[-3000:]
     metrics = read_metrics(tmp_path / "run")
     train_logs = [m for m in metrics if "reward" in m]
