@@ -175,7 +175,8 @@ def vllm_engine(cfg, model_path, rank, world_size, device):
     from vllm import LLM
 
     options = dict(model=model_path, dtype="bfloat16" if cfg.bf16 else "float32",
-                   seed=cfg.seed + rank, tensor_parallel_size=cfg.vllm_tensor_parallel_size,
+                   seed=cfg.seed + rank // cfg.vllm_tensor_parallel_size,  # one seed per engine, shared by its TP ranks
+                   tensor_parallel_size=cfg.vllm_tensor_parallel_size,
                    logprobs_mode="processed_logprobs", generation_config="vllm",
                    enable_sleep_mode=cfg.vllm_enable_sleep_mode)
     if world_size > 1:
@@ -196,18 +197,28 @@ def vllm_sampling(cfg, eos_ids):
                 max_tokens=cfg.max_completion_length, logprobs=0, stop_token_ids=eos_ids, skip_special_tokens=False)
 
 
-def generate_vllm(engine, tokenizer, prompts, cfg, device, eos_ids):
-    """G completions per prompt text from a colocated engine (vllm.LLM) or a server (a base URL string)."""
+def generate_vllm(engine, tokenizer, prompts, cfg, device, eos_ids, tp_group=None):
+    """G completions per prompt text from a colocated engine (vllm.LLM) or a server (a base URL string).
+
+    tp_group: the ranks sharing one tensor-parallel colocated engine. They must call it together with the same
+    requests, so they generate everyone's prompts and each keeps the completions of its own.
+    """
     prompt_id_lists = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
     if isinstance(engine, str):
         samples = server_generate(engine, prompt_id_lists, vllm_sampling(cfg, eos_ids), cfg.vllm_server_timeout)
     else:
         from vllm import SamplingParams, TokensPrompt
 
-        outputs = engine.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_id_lists],
+        requests, first = prompt_id_lists, 0
+        if tp_group is not None:
+            everyone = [None] * torch.distributed.get_world_size(tp_group)
+            torch.distributed.all_gather_object(everyone, prompt_id_lists, group=tp_group)
+            requests = [ids for part in everyone for ids in part]
+            first = sum(len(part) for part in everyone[:torch.distributed.get_rank(tp_group)])
+        outputs = engine.generate([TokensPrompt(prompt_token_ids=ids) for ids in requests],
                                   SamplingParams(**vllm_sampling(cfg, eos_ids), detokenize=False), use_tqdm=False)
         samples = [(list(c.token_ids), [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)])
-                   for out in outputs for c in out.outputs]
+                   for out in outputs[first:first + len(prompt_id_lists)] for c in out.outputs]
     return batch_from_lists(prompt_id_lists, samples, cfg.num_generations, eos_ids, tokenizer.pad_token_id, device)
 
 

@@ -79,7 +79,7 @@ class Config:
     vllm_mode: Literal["colocate", "server"] = field(default="colocate", metadata={"help": "colocate: one engine per rank inside training; server: a running `vllm serve` reached over HTTP."})
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "Colocate on GPU: fraction of GPU memory vLLM may take (weights + KV cache)."})
     vllm_kv_cache_memory_bytes: int = field(default=256 * 2**20, metadata={"help": "Colocate on CPU: KV cache size in bytes (RAM)."})
-    vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "Colocate: tensor-parallel size of each engine (1: one full engine per rank)."})
+    vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "Colocate: ranks per tensor-parallel engine (1: one whole engine per rank); must divide the world size."})
     vllm_enable_sleep_mode: bool = field(default=False, metadata={"help": "Colocate on GPU: free vLLM's weights and KV cache during training, wake before the next push."})
     vllm_server_host: str = field(default="127.0.0.1", metadata={"help": "Server mode: host of the vLLM server."})
     vllm_server_port: int = field(default=8000, metadata={"help": "Server mode: port of the vLLM server."})
@@ -182,9 +182,10 @@ def check_config(cfg, world_size):
                  "pip uninstall -y torchvision torchaudio torchcodec")
         if cfg.vllm_enable_sleep_mode and not torch.cuda.is_available():
             fail("vllm_enable_sleep_mode needs a GPU: vLLM's CPU backend has no sleep mode")
-        if cfg.vllm_mode == "colocate" and cfg.vllm_tensor_parallel_size != 1:
-            fail("colocate runs one whole engine per training rank; for tensor parallelism run vLLM as a server "
-                 "(vllm serve --tensor-parallel-size N) with --vllm_mode server")
+        if cfg.vllm_mode == "colocate" and (cfg.vllm_tensor_parallel_size < 1 or
+                                             world_size % cfg.vllm_tensor_parallel_size):
+            fail(f"vllm_tensor_parallel_size={cfg.vllm_tensor_parallel_size} must divide the {world_size} training "
+                 "processes: each group of that many consecutive ranks shares one engine")
     if cfg.chat_template_kwargs is not None:
         try:
             cfg.chat_template_kwargs = json.loads(cfg.chat_template_kwargs)
@@ -623,6 +624,14 @@ def start_generator(cfg, model, tokenizer, rank, world_size, device):
     return rollout.vllm_engine(cfg, path, rank, world_size, device)
 
 
+def tensor_parallel_group(cfg, world_size):
+    """The ranks sharing this rank's colocated engine (consecutive ranks, as vLLM's external launcher groups them)."""
+    if not (cfg.use_vllm and cfg.vllm_mode == "colocate" and cfg.vllm_tensor_parallel_size > 1):
+        return None
+    group, _ = dist.new_subgroups(group_size=cfg.vllm_tensor_parallel_size)
+    return group
+
+
 def shutdown(engine, world_size):
     """A colocated engine shares torch.distributed's default group and tears it down itself: it goes first."""
     if engine is not None and not isinstance(engine, str):
@@ -786,6 +795,7 @@ def main(argv=None):
     reward_names = [rewards_lib.reward_name(f) for f in reward_funcs]
     reward_weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_funcs))
     engine = start_generator(cfg, model, tokenizer, rank, world_size, device) if cfg.use_vllm else None
+    tp_group = tensor_parallel_group(cfg, world_size)
     engine_step = -1  # the optimizer step whose weights the generator holds
 
     steps_per_epoch = len(dataset) // (prompts_per_rank * world_size) if hasattr(dataset, "__len__") else None
@@ -828,7 +838,7 @@ def main(argv=None):
                 push_weights(engine, model, cfg, is_main, world_size)
                 engine_step = step
             t_synced = time.perf_counter()
-            batch = rollout.generate_vllm(engine, tokenizer, prompt_texts, cfg, device, eos_ids)
+            batch = rollout.generate_vllm(engine, tokenizer, prompt_texts, cfg, device, eos_ids, tp_group)
         t_generated = time.perf_counter()
         texts = tokenizer.batch_decode(batch["completion_lists"], skip_special_tokens=True)
         # ======== 2. Score, KL-shape, leave-one-out advantages ========

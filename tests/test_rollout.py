@@ -129,9 +129,11 @@ def check_engine_agrees_with_trainer(reports):
 
 
 @requires_vllm
-@pytest.mark.parametrize("torchrun", [False, True])
-def test_vllm_colocate_engine_follows_the_trainer(tmp_path, chat_model_dir, torchrun):
-    check_engine_agrees_with_trainer(vllm_worker(tmp_path, torchrun, "--model", str(chat_model_dir)))
+@pytest.mark.parametrize("torchrun, tensor_parallel", [(False, 1), (True, 1), (True, 2)])
+def test_vllm_colocate_engine_follows_the_trainer(tmp_path, chat_model_dir, torchrun, tensor_parallel):
+    """One engine per rank, or one tensor-parallel engine shared by 2 ranks (each keeps its own prompts' samples)."""
+    check_engine_agrees_with_trainer(vllm_worker(tmp_path, torchrun, "--model", str(chat_model_dir),
+                                                 "--vllm_tensor_parallel_size", str(tensor_parallel)))
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ model, tokenizer = train.load_model(cfg.model)
 eos_ids = rollout.eos_token_ids(tokenizer, model)
 model = train.prepare_model(model, cfg, world_size, trainable=True)
 engine = train.start_generator(cfg, model, tokenizer, rank, world_size, device)
+tp_group = train.tensor_parallel_group(cfg, world_size)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # large steps: the weights really move
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
 autocast = torch.autocast("cpu", enabled=False)
@@ -30,10 +31,10 @@ prompts = [["What is 2+2?", "Say hi."], ["Count: 1 2 3", "abc"]][rank % 2]
 greedy_cfg = train.parse_config(["--num_generations", "1", "--max_completion_length", "12", "--temperature", "0"])
 train.push_weights(engine, model, cfg, rank == 0, world_size)
 report = {"drift": [], "greedy_before": rollout.generate_vllm(engine, tokenizer, prompts, greedy_cfg, device,
-                                                              eos_ids)["completion_lists"]}
+                                                              eos_ids, tp_group)["completion_lists"]}
 for step in range(3):
     train.push_weights(engine, model, cfg, rank == 0, world_size)
-    batch = rollout.generate_vllm(engine, tokenizer, prompts, cfg, device, eos_ids)
+    batch = rollout.generate_vllm(engine, tokenizer, prompts, cfg, device, eos_ids, tp_group)
     with torch.no_grad():  # the log-probs vLLM returned vs the trainer's forward on the same (pushed) weights
         logps, _, T = train.forward_logps(model, batch, slice(None), cfg.temperature, autocast)
     mask = batch["completion_mask"][:, :T]
@@ -42,7 +43,7 @@ for step in range(3):
     train.policy_step(cfg, model, optimizer, scheduler, batch, mask.float(), advantages, None, autocast, 8)
 
 train.push_weights(engine, model, cfg, rank == 0, world_size)
-from_vllm = rollout.generate_vllm(engine, tokenizer, prompts, greedy_cfg, device, eos_ids)["completion_lists"]
+from_vllm = rollout.generate_vllm(engine, tokenizer, prompts, greedy_cfg, device, eos_ids, tp_group)["completion_lists"]
 enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
 model.eval()
 with torch.no_grad(), rollout.unsharded(model):
