@@ -32,7 +32,7 @@ def main():
         steps = [json.loads(line) for line in f][3:]
     rows = ["step_time", "time/weight_sync", "time/generation", "time/scoring", "time/training",
             "tokens_per_second/generation",
-            "tokens_per_second/training", "completions/mean_length"]
+            "tokens_per_second/training", "completions/mean_length", "sampling/sampling_logp_difference/mean"]
     print(f"\nbench: median over {len(steps)} steps (after 3 warm-up steps)")
     for key in rows:
         values = [s[key] for s in steps if s.get(key) is not None]
