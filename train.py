@@ -834,11 +834,15 @@ def main(argv=None):
         if engine is None:
             batch = rollout.generate(model, tokenizer, prompt_texts, cfg, device)
         else:
+            if cfg.vllm_enable_sleep_mode:
+                engine.wake_up()  # weights back from CPU (stale until the push below) and a fresh KV cache
             if engine_step != step:  # the generator gets the weights of the last optimizer step before it samples
                 push_weights(engine, model, cfg, is_main, world_size)
                 engine_step = step
             t_synced = time.perf_counter()
             batch = rollout.generate_vllm(engine, tokenizer, prompt_texts, cfg, device, eos_ids, tp_group)
+            if cfg.vllm_enable_sleep_mode:
+                engine.sleep(level=1)  # offload weights, drop the KV cache: the memory is training's until next time
         t_generated = time.perf_counter()
         texts = tokenizer.batch_decode(batch["completion_lists"], skip_special_tokens=True)
         # ======== 2. Score, KL-shape, leave-one-out advantages ========
