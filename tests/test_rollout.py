@@ -100,6 +100,7 @@ def test_model_generation_config_does_not_leak_into_sampling(tiny):
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import signal  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -136,23 +137,31 @@ def test_vllm_colocate_engine_follows_the_trainer(tmp_path, chat_model_dir, torc
                                                  "--vllm_tensor_parallel_size", str(tensor_parallel)))
 
 
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir, port):
+    return subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host",
+         "127.0.0.1", "--port", str(port), "--dtype", "float32", "--kv-cache-memory-bytes", str(256 * 2**20),
+         "--enforce-eager", "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--seed", "0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,  # its own process group
+        env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", "OMP_NUM_THREADS": "1"})
+
+
 @pytest.fixture(scope="module")
 def vllm_server(chat_model_dir):
     """vLLM's own OpenAI-compatible server on 127.0.0.1, started and stopped here."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(chat_model_dir), "--host",
-         "127.0.0.1", "--port", str(port), "--dtype", "float32", "--kv-cache-memory-bytes", str(256 * 2**20),
-         "--enforce-eager", "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--seed", "0"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", "OMP_NUM_THREADS": "1"})
+    port = free_port()
+    proc = start_server(chat_model_dir, port)
     try:
         rollout.wait_for_server(f"http://127.0.0.1:{port}", timeout=240)
         yield port
     finally:
-        proc.terminate()
+        os.killpg(proc.pid, signal.SIGTERM)  # the server and its engine processes
         proc.wait(timeout=60)
 
 
@@ -192,9 +201,7 @@ def test_train_with_vllm_logs_drift_and_sync_time(tmp_path, chat_model_dir, vllm
 
 @requires_vllm
 def test_vllm_server_down_is_a_clear_error_not_a_hang(tmp_path, chat_model_dir):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # nothing listens here
+    port = free_port()  # nothing listens here
     start = time.time()
     out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--model", str(chat_model_dir), "--dataset",
                           os.path.join(ROOT, "tests", "data", "math.jsonl"), "--reward_funcs", "accuracy_reward",
@@ -203,3 +210,26 @@ def test_vllm_server_down_is_a_clear_error_not_a_hang(tmp_path, chat_model_dir):
                           str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode != 0 and f"no vLLM server at http://127.0.0.1:{port} after 3 s" in out.stderr
     assert "Traceback" not in out.stderr and time.time() - start < 120
+
+
+@requires_vllm
+def test_vllm_server_dying_mid_run_stops_training_with_a_clear_error(tmp_path, chat_model_dir):
+    port = free_port()
+    server = start_server(chat_model_dir, port)
+    try:
+        rollout.wait_for_server(f"http://127.0.0.1:{port}", timeout=240)
+        trainer = subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "train.py"), "--model", str(chat_model_dir), "--dataset",
+             os.path.join(ROOT, "tests", "data", "math.jsonl"), "--reward_funcs", "accuracy_reward", "--use_vllm",
+             "--vllm_mode", "server", "--vllm_server_port", str(port), "--bf16", "false", "--max_steps", "100000",
+             "--max_completion_length", "8", "--logging_steps", "1", "--output_dir", str(tmp_path)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        while not (tmp_path / "metrics.jsonl").exists() or len((tmp_path / "metrics.jsonl").read_text().splitlines()) < 2:
+            assert trainer.poll() is None, trainer.stderr.read()[-3000:]
+            time.sleep(0.1)
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)  # the server and its engine processes die mid-run, no goodbye
+        server.wait()
+    _, stderr = trainer.communicate(timeout=120)  # bounded retries, then out: no hang
+    assert trainer.returncode != 0
+    assert f"vLLM server http://127.0.0.1:{port}" in stderr and "unreachable after 3 tries" in stderr
