@@ -124,9 +124,9 @@ def vllm_worker(tmp_path, torchrun, *flags):
 
 def check_engine_agrees_with_trainer(reports):
     for r in reports:
-        assert max(r["drift"]) < 1e-4  # vLLM's log-probs of its samples == the trainer's forward, every step
-        assert r["greedy_equal"], (r["greedy_vllm"], r["greedy_hf"])  # after the push: same greedy completions
-    assert any(r["greedy_before"] != r["greedy_vllm"] for r in reports)  # ... and the push really changed them
+        assert max(r["drift"]) < 1e-4  # vLLM's log-probs of its samples == the trainer's forward, every step ...
+        assert r["moved"] > 1e-3  # ... not the initial weights' (3 AdamW steps moved them): the pushes landed
+        assert r["greedy_equal"], (r["greedy_vllm"], r["greedy_hf"])  # after the last push: same greedy output
 
 
 @requires_vllm

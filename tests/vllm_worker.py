@@ -1,8 +1,9 @@
-"""Train a few RLOO steps with vLLM generating (colocate or server), push the weights, then check that the engine
-agrees with the trainer: greedy completions identical, and the log-probs vLLM returns for sampled completions equal
-the trainer's forward. Runs as one process or under torchrun; rank 0 writes a JSON report to argv[1].
+"""Train a few RLOO steps with vLLM generating (colocate or server), pushing the weights before each generation, and
+check that the engine follows the trainer: the log-probs vLLM returns for its samples equal the trainer's forward
+(and differ from the initial weights': the engine is not stale), and after a final push greedy completions match. Runs as one process or under torchrun; rank 0 writes a JSON report to argv[1].
     python tests/vllm_worker.py OUT.json --model DIR [--vllm_mode server --vllm_server_port P ...]"""
 
+import copy
 import json
 import os
 import sys
@@ -20,6 +21,7 @@ cfg = train.parse_config(["--use_vllm", "--bf16", "false", "--num_generations", 
                           "--reward_funcs", "think_format_reward", "--output_dir",
                           os.path.join(os.path.dirname(out_path), "vllm_run")] + flags)
 model, tokenizer = train.load_model(cfg.model)
+initial = copy.deepcopy(model).eval()  # the weights the engine loaded: a stale engine would still sample from these
 eos_ids = rollout.eos_token_ids(tokenizer, model)
 model = train.prepare_model(model, cfg, world_size, trainable=True)
 engine = train.start_generator(cfg, model, tokenizer, rank, world_size, device)
@@ -29,16 +31,16 @@ scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
 autocast = torch.autocast("cpu", enabled=False)
 prompts = [["What is 2+2?", "Say hi."], ["Count: 1 2 3", "abc"]][rank % 2]
 greedy_cfg = train.parse_config(["--num_generations", "1", "--max_completion_length", "12", "--temperature", "0"])
-train.push_weights(engine, model, cfg, rank == 0, world_size)
-report = {"drift": [], "greedy_before": rollout.generate_vllm(engine, tokenizer, prompts, greedy_cfg, device,
-                                                              eos_ids, tp_group)["completion_lists"]}
+report = {"drift": []}
 for step in range(3):
     train.push_weights(engine, model, cfg, rank == 0, world_size)
     batch = rollout.generate_vllm(engine, tokenizer, prompts, cfg, device, eos_ids, tp_group)
     with torch.no_grad():  # the log-probs vLLM returned vs the trainer's forward on the same (pushed) weights
         logps, _, T = train.forward_logps(model, batch, slice(None), cfg.temperature, autocast)
+        initial_logps, _, _ = train.forward_logps(initial, batch, slice(None), cfg.temperature, autocast)
     mask = batch["completion_mask"][:, :T]
     report["drift"].append(((batch["sampler_logps"][:, :T] - logps).abs() * mask).max().item())
+    report["moved"] = ((batch["sampler_logps"][:, :T] - initial_logps).abs() * mask).max().item()
     advantages = torch.randn(len(batch["completion_lists"]))
     train.policy_step(cfg, model, optimizer, scheduler, batch, mask.float(), advantages, None, autocast, 8)
 
