@@ -138,7 +138,12 @@ def generate(model, tokenizer, prompts, cfg, device):
     step_logps.append(last["logps"].gather(-1, completion_ids[:, -1:]))
     sampler_logps = torch.cat(step_logps, dim=1)  # [B, T]
 
-    completion_ids, completion_mask, truncated = completion_masks(completion_ids, eos_ids, tokenizer.pad_token_id)
+    return finish_batch(prompt_ids, prompt_mask, completion_ids, sampler_logps, eos_ids, tokenizer.pad_token_id)
+
+
+def finish_batch(prompt_ids, prompt_mask, completion_ids, sampler_logps, eos_ids, pad_id):
+    """Both backends end here: cut completions at the first EOS, mask, and list the unpadded ids for the rewards."""
+    completion_ids, completion_mask, truncated = completion_masks(completion_ids, eos_ids, pad_id)
     lengths = completion_mask.sum(-1).tolist()
     return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
                 completion_mask=completion_mask, truncated=truncated, sampler_logps=sampler_logps * completion_mask,
@@ -160,13 +165,8 @@ def batch_from_lists(prompt_id_lists, samples, G, eos_ids, pad_id, device):
     prompt_mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompt_id_lists for _ in range(G)])
     completion_ids = torch.tensor([ids + [pad_id] * (T - len(ids)) for ids, _ in samples])  # [B, T]
     sampler_logps = torch.tensor([lps + [0.0] * (T - len(lps)) for _, lps in samples])  # [B, T]
-    completion_ids, completion_mask, truncated = completion_masks(completion_ids, eos_ids, pad_id)
-    lengths = completion_mask.sum(-1).tolist()
-    batch = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                 completion_mask=completion_mask, truncated=truncated, sampler_logps=sampler_logps * completion_mask)
-    batch = {k: v.to(device) for k, v in batch.items()}
-    batch["completion_lists"] = [ids[:n] for ids, n in zip(completion_ids.tolist(), lengths)]
-    return batch
+    return finish_batch(prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),
+                        sampler_logps.to(device), eos_ids, pad_id)
 
 
 def vllm_engine(cfg, model_path, rank, world_size, device):

@@ -859,7 +859,8 @@ def main(argv=None):
             gen_metrics["time/weight_sync"] = t_synced - t_start
         gen_metrics.update({"time/generation": t_generated - t_start, "time/scoring": t_scored - t_generated,
                             "tokens_per_second/generation": completion_lengths.sum().item() / (t_generated - t_start)})
-        step_tokens = gather((batch["prompt_mask"].sum(-1) + batch["completion_mask"].sum(-1)).float(), world_size)
+        step_token_total = gather((batch["prompt_mask"].sum(-1) + batch["completion_mask"].sum(-1)).float(),
+                                  world_size).sum().item()  # prompt + completion tokens, all ranks
         if step == 0 and is_main:
             show_samples("before training", rows["prompt"], G, texts, scored["rewards_per_func"].nansum(-1).tolist())
 
@@ -879,7 +880,7 @@ def main(argv=None):
             if world_size > 1:
                 dist.all_reduce(train_stats)
             loss_total, low_total, high_total, entropy_total, token_total, drift_total = train_stats.tolist()
-            num_tokens += step_tokens.sum().item()
+            num_tokens += step_token_total
             n_seq = per_rank * world_size
             nonfinite_in_a_row = 0 if torch.isfinite(grad_norm) else nonfinite_in_a_row + 1
             logger.add({**(gen_metrics if iteration == 0 else {}),
@@ -891,7 +892,7 @@ def main(argv=None):
                         **({"sampling/sampling_logp_difference/mean": drift_total / max(token_total, 1)}
                            if iteration == 0 else {}),
                         "step_time": t_end - (t_start if iteration == 0 else t_train), "time/training": t_end - t_train,
-                        "tokens_per_second/training": step_tokens.sum().item() / (t_end - t_train)})
+                        "tokens_per_second/training": step_token_total / (t_end - t_train)})
             logger.advance(gen_metrics["reward"])
             if step % cfg.logging_steps == 0 or step == total_steps:
                 logger.log(step)
