@@ -637,6 +637,7 @@ def shutdown(engine, world_size):
     if engine is not None and not isinstance(engine, str):
         engine.llm_engine.engine_core.shutdown()
     if world_size > 1 and dist.is_initialized():
+        dist.barrier()  # tear down only when every rank is done (rank 0 may still be writing the final model)
         dist.destroy_process_group()
 
 
