@@ -1,47 +1,208 @@
-"""Benchmark: run train.py on a fixed config and print median per-phase seconds, throughput and peak memory.
+"""Benchmark: one named config, N steps; prints median seconds per phase, tokens/s, steps/s and peak memory.
 
-    python bench.py                      # the embedded tiny model, 30 steps, beta=0.05 (reference forward included)
-    python bench.py --max_steps 50 ...   # any train.py flag overrides the benchmark config
-    python bench.py --model DIR --dataset data.jsonl --reward_funcs accuracy_reward --use_vllm [--vllm_mode server]
-    torchrun --standalone --nproc_per_node=2 bench.py
+    python bench.py --config overhead                 # 0.15M params, G=4, 16 completions/step, <= 16 tokens
+    python bench.py --config compute                  # 4.2M params, G=8, 64 completions/step, <= 64 tokens
+    python bench.py --config compute --trainer trl    # the same work with TRL's RLOOTrainer (pip install trl,
+                                                      # in another environment: it is not a dependency of rloo)
+    python bench.py --scaling                         # step time vs completion length and model size
+    torchrun --standalone --nproc_per_node=2 bench.py --config compute
+    python bench.py --config compute --use_vllm       # any other flag goes to train.py
 
-Numbers come from the metrics train.py logs every step (logging_steps=1); the first 3 steps are warm-up and dropped.
+Both trainers load the same model directory (built from a config with a fixed seed and saved once), the same
+prompts, G, batch, max_completion_length, beta=0.05, temperature 1, fp32, constant learning rate, one optimizer step
+per generation batch. The vocabulary has 256 tokens so a random model rarely samples EOS and completions run close to
+max_completion_length. The first 3 steps are warm-up and dropped.
 """
 
+import argparse
 import json
 import os
+import re
 import resource
 import statistics
 import sys
 import tempfile
+import time
 
 import torch
 
-import train
+CONFIGS = {  # model shape, then the batch geometry
+    "overhead": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                     num_generations=4, batch=16, max_completion_length=16),
+    "compute": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+                    num_generations=8, batch=64, max_completion_length=64),
+}
+PHASES = ["time/generation", "time/weight_sync", "time/reference", "time/rewards", "time/forward_backward",
+          "time/optimizer"]
 
-BENCH = ["--max_steps", "30", "--logging_steps", "1", "--beta", "0.05", "--per_device_train_batch_size", "64",
-         "--num_generations", "8", "--max_completion_length", "16"]
+
+def build_model(path, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, vocab_size=256,
+                num_rows=2048, seed=0):
+    """A random Qwen2 and a copy-the-digits dataset (the embedded task's, with filler tokens in the vocabulary)."""
+    from datasets import Dataset
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    vocab = ["<eos>", "="] + list("0123456789") + [f"<x{i}>" for i in range(vocab_size - 12)]
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<eos>", eos_token="<eos>")
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                         num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+                         num_key_value_heads=num_attention_heads, max_position_embeddings=512,
+                         tie_word_embeddings=True, eos_token_id=0, pad_token_id=0, bos_token_id=0)
+    torch.manual_seed(seed)
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    g = torch.Generator().manual_seed(seed)
+    digits = ["".join(map(str, row)) for row in torch.randint(0, 10, (num_rows, 4), generator=g).tolist()]
+    Dataset.from_dict({"prompt": [d + "=" for d in digits], "target": digits}).to_json(os.path.join(path, "data.jsonl"))
+    return path
 
 
-def main():
-    output_dir = tempfile.mkdtemp(prefix="rloo-bench-")
-    train.main(BENCH + ["--output_dir", output_dir] + sys.argv[1:])
+def run_rloo(model_dir, c, steps, extra):
+    """train.py on the benchmark config; per-step metrics come from its metrics.jsonl (logging_steps=1)."""
+    import train
+
+    out = tempfile.mkdtemp(prefix="rloo-bench-")
+    ends, advance = [], train.Logger.advance  # step_time = wall time between step ends, as for TRL below
+    train.Logger.advance = lambda self, reward: (ends.append(time.perf_counter()), advance(self, reward))
+    train.main(["--model", model_dir, "--dataset", os.path.join(model_dir, "data.jsonl"), "--reward_funcs",
+                "task_reward", "--num_generations", str(c["num_generations"]), "--per_device_train_batch_size",
+                str(c["batch"]), "--max_completion_length", str(c["max_completion_length"]), "--beta", "0.05",
+                "--learning_rate", "1e-4", "--lr_scheduler_type", "constant", "--bf16", "false",
+                "--gradient_checkpointing", "false", "--max_steps", str(steps), "--logging_steps", "1",
+                "--save_steps", "0", "--output_dir", out] + extra)
     if int(os.environ.get("RANK", 0)) != 0:
-        return
-    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        steps = [json.loads(line) for line in f][3:]
-    rows = ["step_time", "time/weight_sync", "time/generation", "time/scoring", "time/training",
-            "tokens_per_second/generation",
-            "tokens_per_second/training", "completions/mean_length", "sampling/sampling_logp_difference/mean"]
-    print(f"\nbench: median over {len(steps)} steps (after 3 warm-up steps)")
-    for key in rows:
-        values = [s[key] for s in steps if s.get(key) is not None]
-        if values:  # time/weight_sync only with vLLM (time/generation includes it)
-            print(f"  {key:32s} {statistics.median(values):10.4f}")
-    print(f"  {'steps_per_second':32s} {1 / statistics.median(s['step_time'] for s in steps):10.4f}")
+        return None
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        steps = [json.loads(line) for line in f]
+    for row, start, end in zip(steps[1:], ends, ends[1:]):
+        row["step_time"] = end - start
+    return steps[1:]
+
+
+def run_trl(model_dir, c, steps):
+    """TRL's RLOOTrainer on the same work. Phases are timed by wrapping its methods on the instance: generation,
+    the two no-grad log-prob passes (old and reference), rewards, the loss forward+backward, the optimizer step."""
+    from datasets import load_dataset
+    from transformers import TrainerCallback
+    from trl import RLOOConfig, RLOOTrainer
+
+    import rewards
+
+    def task_reward(completions, target, **kwargs):  # a plain function: TRL names the metric after it
+        return rewards.task_reward(completions, target)
+
+    out = tempfile.mkdtemp(prefix="trl-bench-")
+    args = RLOOConfig(output_dir=out, per_device_train_batch_size=c["batch"], num_generations=c["num_generations"],
+                      max_completion_length=c["max_completion_length"], beta=0.05, learning_rate=1e-4,
+                      lr_scheduler_type="constant", bf16=False, gradient_checkpointing=False, max_steps=steps,
+                      logging_steps=1, save_strategy="no", report_to="none", use_cpu=not torch.cuda.is_available(),
+                      disable_tqdm=True, seed=42)
+    trainer = RLOOTrainer(model=model_dir, reward_funcs=task_reward, args=args,
+                          train_dataset=load_dataset("json", data_files=os.path.join(model_dir, "data.jsonl"),
+                                                     split="train"))
+    step_times, current = [], {}
+
+    def timed(name, fn, when=lambda: True):
+        def wrapper(*a, **k):
+            if not when():
+                return fn(*a, **k)
+            t = time.perf_counter()
+            result = fn(*a, **k)
+            current[name] = current.get(name, 0.0) + time.perf_counter() - t
+            return result
+        return wrapper
+
+    trainer._generate_single_turn = timed("time/generation", trainer._generate_single_turn)
+    trainer._calculate_rewards = timed("time/rewards", trainer._calculate_rewards)
+    trainer._get_per_token_logps_and_entropies = timed("time/reference", trainer._get_per_token_logps_and_entropies,
+                                                       when=lambda: not torch.is_grad_enabled())
+    trainer.training_step = timed("training_step", trainer.training_step)
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            current.clear()
+
+        def on_pre_optimizer_step(self, args, state, control, **kw):
+            current["optimizer_start"] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            now = time.perf_counter()
+            row = {k: v for k, v in current.items() if k.startswith("time/")}
+            row["time/optimizer"] = now - current["optimizer_start"]
+            # training_step = generation + no-grad passes + rewards + loss forward/backward
+            row["time/forward_backward"] = current["training_step"] - sum(
+                row.get(k, 0.0) for k in ["time/generation", "time/reference", "time/rewards"])
+            row["step_time"] = now - (step_times[-1]["end"] if step_times else trainer_start)
+            row["end"] = now
+            step_times.append(row)
+
+    trainer.add_callback(StepTimer())
+    trainer_start = time.perf_counter()
+    trainer.train()
+    for row, logged in zip(step_times, [h for h in trainer.state.log_history if "reward" in h]):
+        row.update({k: logged[k] for k in ["reward", "completions/mean_length", "completions/max_length"]})
+    return step_times[1:]
+
+
+def summarize(name, steps, num_completions):
+    steps = steps[2:]  # with the first step dropped by the runners: 3 warm-up steps
+    for s in steps:  # per step, then the median (medians of the parts need not add up)
+        s["other"] = s["step_time"] - sum(s.get(k) or 0.0 for k in PHASES)
+    med = {key: statistics.median(s[key] for s in steps) for key in steps[0]
+           if all(isinstance(s.get(key), (int, float)) for s in steps)}
+    tokens = med["completions/mean_length"] * num_completions  # per step, all ranks
+    print(f"\n{name}: median over {len(steps)} steps (after 3 warm-up steps)")
+    for key in PHASES + ["other", "step_time"]:
+        if key in med:
+            print(f"  {key:32s} {med[key]:10.4f}")
+    print(f"  {'steps_per_second':32s} {1 / med['step_time']:10.3f}")
+    print(f"  {'tokens_per_second/generation':32s} {tokens / med['time/generation']:10.0f}")
+    print(f"  {'completions/mean_length':32s} {med['completions/mean_length']:10.2f}")
+    print(f"  {'completions/max_length':32s} {med['completions/max_length']:10.2f}")
+    print(f"  {'reward (mean over the run)':32s} {statistics.mean(s['reward'] for s in steps):10.4f}")
     print(f"  {'peak_rss_mib':32s} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:10.1f}")
     if torch.cuda.is_available():
         print(f"  {'peak_cuda_mib':32s} {torch.cuda.max_memory_allocated() / 2**20:10.1f}")
+    return med
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", choices=CONFIGS, default="overhead")
+    parser.add_argument("--trainer", choices=["rloo", "trl"], default="rloo")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--max_completion_length", type=int, help="override the config's")
+    parser.add_argument("--scaling", action="store_true", help="a table: completion length 16/64/256 x model size")
+    args, extra = parser.parse_known_args()
+    if args.scaling:
+        return scaling(args.steps)
+    c = dict(CONFIGS[args.config])
+    if args.max_completion_length:
+        c["max_completion_length"] = args.max_completion_length
+    model_dir = build_model(tempfile.mkdtemp(prefix="bench-model-"), **{k: c[k] for k in list(c)[:4]})
+    steps = run_rloo(model_dir, c, args.steps, extra) if args.trainer == "rloo" else run_trl(model_dir, c, args.steps)
+    if steps is not None:
+        summarize(f"{args.trainer} --config {args.config} ({c})", steps, c["batch"] * int(os.environ.get("WORLD_SIZE", 1)))
+
+
+def scaling(num_steps):
+    """Each row in a fresh process (peak memory is per process): median step time and generation time."""
+    import subprocess
+
+    print("| model | max completion length | s/step | generation s | gen s per decode step | training s |\n"
+          "|---|---|---|---|---|---|")
+    for config in CONFIGS:
+        for length in [16, 64, 256]:
+            out = subprocess.run([sys.executable, __file__, "--config", config, "--max_completion_length", str(length),
+                                  "--steps", str(num_steps)], capture_output=True, text=True, check=True).stdout
+            med = dict((m[1], float(m[2])) for m in re.finditer(r"^  (\S+) +(-?[\d.]+)$", out, re.M))
+            print(f"| {config} | {length} | {med['step_time']:.3f} | {med['time/generation']:.3f} | "
+                  f"{med['time/generation'] / med['completions/max_length'] * 1000:.2f} ms | "
+                  f"{med['time/forward_backward'] + med['time/optimizer']:.3f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -520,8 +520,10 @@ def score(cfg, batch, rows, texts, reward_funcs, reward_weights, ref_model, auto
     loss_mask = batch["completion_mask"].float()  # [B, T]
     if cfg.mask_truncated_completions:  # no gradient and no KL; they still count in the mean and the baselines
         loss_mask = loss_mask * (~batch["truncated"]).float()[:, None]
+    t_start = time.perf_counter()
     rewards_per_func = call_rewards(reward_funcs, rows, texts, batch, G, step)  # [B, K]
     rewards = combine_rewards(rewards_per_func, reward_weights.to(loss_mask.device), cfg.reward_clip_range)  # [B]
+    t_rewards = time.perf_counter()
     kl_sums = None
     if cfg.beta > 0:  # r = R - beta * kl, k1 with the sampler's log-probs as log pi_old (paper §3, SPEC §2)
         with torch.no_grad():
@@ -535,16 +537,17 @@ def score(cfg, batch, rows, texts, reward_funcs, reward_weights, ref_model, auto
     if cfg.normalize_advantages:  # over the global batch: every rank normalizes the same gathered vector
         rank = dist.get_rank() if world_size > 1 else 0
         advantages = normalize_advantages(gather(advantages, world_size)).view(world_size, -1)[rank]
+    timings = {"time/rewards": t_rewards - t_start, "time/reference": time.perf_counter() - t_rewards}
     return dict(rewards_per_func=rewards_per_func, rewards=rewards, kl_sums=kl_sums, loss_mask=loss_mask,
-                advantages=advantages)
+                advantages=advantages, timings=timings)
 
 
 def policy_step(cfg, model, optimizer, scheduler, batch, loss_mask, advantages, old_logps, autocast, num_sequences):
     """One optimizer step over the batch in micro-batches of per_device_train_batch_size (SPEC §1.6-1.7).
 
     old_logps None: on-policy pass, s_old = s.detach() so rho == 1 (no scoring pass, SPEC §2).
-    Returns the sequence log-probs s [B] (the s_old of later passes), local sums for the metrics, and the global
-    gradient norm (non-finite: the optimizer step was skipped).
+    Returns the sequence log-probs s [B] (the s_old of later passes), local sums for the metrics, the global
+    gradient norm (non-finite: the optimizer step was skipped) and the seconds spent clipping and stepping.
     """
     eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
     mbs = micro_batches(len(advantages), cfg.per_device_train_batch_size)
@@ -566,6 +569,7 @@ def policy_step(cfg, model, optimizer, scheduler, batch, loss_mask, advantages, 
         seq_logps_all.append(seq_logps.detach())
         drift = ((sampler_logps - logps.detach()).abs() * mask).sum() if old_logps is None else torch.zeros(())
         stats += torch.stack([loss.detach(), low.sum(), high.sum(), (entropy * mask).sum(), mask.sum(), drift]).float()
+    t_optimizer = time.perf_counter()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a replicated DTensor
         grad_norm = grad_norm.full_tensor()
@@ -573,7 +577,7 @@ def policy_step(cfg, model, optimizer, scheduler, batch, loss_mask, advantages, 
         optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return torch.cat(seq_logps_all), stats, grad_norm
+    return torch.cat(seq_logps_all), stats, grad_norm, time.perf_counter() - t_optimizer
 
 
 @torch.no_grad()
@@ -848,7 +852,6 @@ def main(argv=None):
         texts = tokenizer.batch_decode(batch["completion_lists"], skip_special_tokens=True)
         # ======== 2. Score, KL-shape, leave-one-out advantages ========
         scored = score(cfg, batch, rows, texts, reward_funcs, reward_weights, ref_model, autocast, step, world_size)
-        t_scored = time.perf_counter()
         completion_lengths = gather(batch["completion_mask"].sum(-1).float(), world_size)  # [world * B]
         gen_metrics = generation_metrics(
             gather(scored["rewards_per_func"].T, world_size).T, reward_names, reward_weights.to(device),
@@ -858,7 +861,7 @@ def main(argv=None):
             gather(scored["loss_mask"].sum(-1), world_size), G)
         if engine is not None:
             gen_metrics["time/weight_sync"] = t_synced - t_start
-        gen_metrics.update({"time/generation": t_generated - t_start, "time/scoring": t_scored - t_generated,
+        gen_metrics.update({"time/generation": t_generated - t_start, **scored["timings"],
                             "tokens_per_second/generation": completion_lengths.sum().item() / (t_generated - t_start)})
         step_token_total = gather((batch["prompt_mask"].sum(-1) + batch["completion_mask"].sum(-1)).float(),
                                   world_size).sum().item()  # prompt + completion tokens, all ranks
@@ -869,7 +872,7 @@ def main(argv=None):
         old_logps = None  # num_iterations > 1: s_old is stored by the first pass (same weights as the sampler)
         for iteration in range(cfg.num_iterations):
             t_train = time.perf_counter()
-            seq_logps, train_stats, grad_norm = policy_step(cfg, model, optimizer, scheduler, batch,
+            seq_logps, train_stats, grad_norm, optimizer_time = policy_step(cfg, model, optimizer, scheduler, batch,
                                                             scored["loss_mask"], scored["advantages"], old_logps,
                                                             autocast, per_rank)
             if old_logps is None and cfg.num_iterations > 1:
@@ -893,6 +896,7 @@ def main(argv=None):
                         **({"sampling/sampling_logp_difference/mean": drift_total / max(token_total, 1)}
                            if iteration == 0 else {}),
                         "step_time": t_end - (t_start if iteration == 0 else t_train), "time/training": t_end - t_train,
+                        "time/forward_backward": t_end - t_train - optimizer_time, "time/optimizer": optimizer_time,
                         "tokens_per_second/training": step_token_total / (t_end - t_train)})
             logger.advance(gen_metrics["reward"])
             if step % cfg.logging_steps == 0 or step == total_steps:

@@ -27,7 +27,7 @@ model = train.prepare_model(model, cfg, world_size, trainable=True)
 optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # updated weights = w - grad: compares the gradients
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
 autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16 and world_size == 1)
-_, stats, grad_norm = train.policy_step(cfg, model, optimizer, scheduler, batch, batch["completion_mask"].float(),
+_, stats, grad_norm, _ = train.policy_step(cfg, model, optimizer, scheduler, batch, batch["completion_mask"].float(),
                                         advantages[rows], None, autocast, num_sequences=per_rank)
 if world_size > 1:
     dist.all_reduce(stats)

@@ -198,7 +198,7 @@ def test_gradient_accumulation_equals_one_big_batch():
         cfg.per_device_train_batch_size = micro
         opt = torch.optim.SGD(m.parameters(), lr=1.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        _, stats, grad_norm = train.policy_step(cfg, m, opt, sched, batch, loss_mask, advantages, None,
+        _, stats, grad_norm, _ = train.policy_step(cfg, m, opt, sched, batch, loss_mask, advantages, None,
                                                 torch.autocast("cpu", enabled=False), num_sequences=8)
         updated.append((torch.cat([p.detach().flatten() for p in m.parameters()]), stats[0], grad_norm))
     torch.testing.assert_close(updated[0][0], updated[1][0], atol=1e-6, rtol=1e-5)
