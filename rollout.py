@@ -7,6 +7,7 @@ distribution, log softmax(logits / temperature)[o_t]. They are the "old" log-pro
 """
 
 import functools
+import io
 import json
 import os
 import time
@@ -16,10 +17,11 @@ from contextlib import contextmanager
 
 import torch
 from torch.distributed.fsdp import FSDPModule
-from transformers import GenerationConfig, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
+    SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -31,10 +33,64 @@ def is_conversational(prompt):
     return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
 
 
-def prompt_texts(tokenizer, prompts, chat_template_kwargs=None):
-    """Conversational prompts get the chat template with add_generation_prompt=True; strings pass through."""
+def prompt_texts(tokenizer, prompts, chat_template_kwargs=None, images=None):
+    """Conversational prompts get the chat template with add_generation_prompt=True; strings pass through.
+    With images (a list per row; tokenizer is then the processor) they enter the first user message as image parts."""
+    if images is not None:
+        prompts = [with_images(p, row) for p, row in zip(prompts, images)]
     return [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {}))
             if is_conversational(p) else p for p in prompts]
+
+
+def with_images(messages, images):
+    """The conversation with one {"type": "image"} part per image at the front of its first user message."""
+    out, placed = [], False
+    for message in messages:
+        if not placed and message["role"] == "user":
+            content = message["content"]
+            parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
+            message, placed = {**message, "content": [{"type": "image"} for _ in images] + parts}, True
+        out.append(message)
+    return out
+
+
+def row_images(rows):
+    """Each row's images as RGB PIL images (column `image`: one per row, `images`: a list), None without such a column.
+    Accepts PIL images, file paths and the dicts of an undecoded `datasets` Image column."""
+    if "image" in rows:
+        per_row = [[] if x is None else [x] for x in rows["image"]]
+    elif "images" in rows:
+        per_row = [x or [] for x in rows["images"]]
+    else:
+        return None
+    return [[load_image(x) for x in row] for row in per_row]
+
+
+def load_image(x):
+    from PIL import Image
+
+    try:
+        if isinstance(x, dict):
+            x = io.BytesIO(x["bytes"]) if x.get("bytes") else x["path"]
+        return (x if isinstance(x, Image.Image) else Image.open(x)).convert("RGB")
+    except (OSError, KeyError, TypeError, AttributeError) as e:  # PIL's UnidentifiedImageError is an OSError
+        raise ValueError(f"cannot read image {str(x)[:200]!r}: {e}. Image columns take PIL images, image file "
+                         "paths, or {'bytes': ..., 'path': ...} dicts") from None
+
+
+def processor_inputs(processor, texts, images, device):
+    """The processor's tensors for prompt texts and their images, left-padded: input_ids, attention_mask and the
+    model's pixel inputs (pixel_values, image_grid_thw, ...). Their layout differs per model family (patches of all
+    images concatenated, images stacked, images padded per row), so any subset of rows is re-processed, not sliced."""
+    enc = processor(text=texts, images=images if any(images) else None, padding=True, padding_side="left",
+                    return_tensors="pt")
+    return {k: v.to(device) for k, v in enc.items()}
+
+
+def image_token_ids(processor):
+    """Placeholder ids the policy must never sample: the model's forward pairs every one with an image feature."""
+    return sorted(v for k, v in vars(processor).items() if k.endswith(("image_token_id", "video_token_id"))
+                  and isinstance(v, int))
 
 
 def eos_token_ids(tokenizer, model):
@@ -65,13 +121,36 @@ def unsharded(model):
         model.set_reshard_after_forward(True)
 
 
-def sampling_processors(cfg, record):
+class RecordLogps(LogitsProcessor):
+    """The first logits processor: keeps log pi_T = log_softmax(logits / T) of every sampled token.
+
+    A LogitsProcessor, not a closure: transformers inspects every processor's signature at every token, and a plain
+    function's signature is parsed from text (~0.25 ms a token, a third of a tiny model's generation time).
+    """
+
+    def __init__(self, temperature):
+        self.temperature, self.step_logps, self.last = temperature, [], None
+
+    def __call__(self, input_ids, scores):
+        # Called once per new token with the raw next-token logits; input_ids[:, -1] is the token just sampled from
+        # the previous call's distribution, so log-probs are gathered one call late (and once more in logps()).
+        if self.last is not None:
+            self.step_logps.append(self.last.gather(-1, input_ids[:, -1:]))
+        self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)  # [B, V]
+        return scores
+
+    def logps(self, completion_ids):
+        """[B, T] log-probs of the completion tokens, once generation is done."""
+        return torch.cat(self.step_logps + [self.last.gather(-1, completion_ids[:, -1:])], dim=1)
+
+
+def sampling_processors(cfg, record, suppress=()):
     """Our own processor list, in order: record log pi_T (before any penalty or filter), then the sampling knobs.
 
     generate() runs with a fresh GenerationConfig in place of the model's, so it adds no processors of its own and a
     model's shipped generation_config (e.g. top_k=20, repetition_penalty=1.05) cannot silently change the sampling.
     """
-    processors = [record]
+    processors = [record] + ([SuppressTokensLogitsProcessor(suppress)] if suppress else [])
     if cfg.repetition_penalty != 1.0:
         processors.append(RepetitionPenaltyLogitsProcessor(cfg.repetition_penalty))
     if cfg.temperature != 1.0:
@@ -97,48 +176,50 @@ def completion_masks(completion_ids, eos_ids, pad_id):
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompts, cfg, device):
+def generate(model, tokenizer, prompts, cfg, device, processor=None, images=None):
     """Sample cfg.num_generations completions for each prompt text, group members adjacent.
+    Vision-language: `images` holds each prompt's images and `processor` prepares them with the texts.
 
     Returns a dict of tensors (B = len(prompts) * G; L = longest prompt, T = longest completion):
       prompt_ids, prompt_mask [B, L] (left-padded), completion_ids [B, T] (right-padded after EOS),
       completion_mask [B, T] (1 up to and including the first EOS), truncated [B] (no EOS),
       sampler_logps [B, T] (log pi_T of each sampled token, 0 on padding),
-    and completion_lists: the unpadded completion ids (EOS kept), what reward functions receive.
+    and completion_lists: the unpadded completion ids (EOS kept), what reward functions receive; with images also
+    pixel_inputs(rows): the model's pixel inputs for a slice of the rows, for the training forward.
     """
     G = cfg.num_generations
-    tokenizer.padding_side = "left"  # left-pad so every prompt ends where generation starts
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-    prompt_ids = enc.input_ids.repeat_interleave(G, 0)  # [B, L]
-    prompt_mask = enc.attention_mask.repeat_interleave(G, 0)  # [B, L]
+    pixel_inputs = {}
+    if images is None:
+        tokenizer.padding_side = "left"  # left-pad so every prompt ends where generation starts
+        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+        prompt_ids = enc.input_ids.repeat_interleave(G, 0)  # [B, L]
+        prompt_mask = enc.attention_mask.repeat_interleave(G, 0)  # [B, L]
+    else:  # each completion gets its own copy of its prompt's images, as the training forward will see them
+        texts, images = [p for p in prompts for _ in range(G)], [row for row in images for _ in range(G)]
+        pixel_inputs = processor_inputs(processor, texts, images, device)
+        prompt_ids, prompt_mask = pixel_inputs.pop("input_ids"), pixel_inputs.pop("attention_mask")  # [B, L]
     eos_ids = eos_token_ids(tokenizer, model)
 
-    step_logps, last = [], {}
-
-    def record(input_ids, scores):
-        # Called once per new token with the raw next-token logits; input_ids[:, -1] is the token just sampled
-        # from the previous call's distribution, so log-probs are gathered one call late (and once at the end).
-        if "logps" in last:
-            step_logps.append(last["logps"].gather(-1, input_ids[:, -1:]))
-        last["logps"] = torch.log_softmax(scores.float() / cfg.temperature, dim=-1)  # [B, V]
-        return scores
-
+    record = RecordLogps(cfg.temperature)
     shipped_config, was_training = model.generation_config, model.training
     model.generation_config = GenerationConfig(do_sample=True, max_new_tokens=cfg.max_completion_length, top_k=0,
                                                eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id)
     model.eval()
     try:
         with unsharded(model):
-            sequences = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
-                                       logits_processor=sampling_processors(cfg, record))
+            sequences = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **pixel_inputs,
+                                       logits_processor=sampling_processors(
+                                           cfg, record, image_token_ids(processor) if processor else ()))
     finally:
         model.generation_config = shipped_config
         model.train(was_training)
     completion_ids = sequences[:, prompt_ids.shape[1]:]  # [B, T]
-    step_logps.append(last["logps"].gather(-1, completion_ids[:, -1:]))
-    sampler_logps = torch.cat(step_logps, dim=1)  # [B, T]
+    sampler_logps = record.logps(completion_ids)  # [B, T]
 
-    return finish_batch(prompt_ids, prompt_mask, completion_ids, sampler_logps, eos_ids, tokenizer.pad_token_id)
+    batch = finish_batch(prompt_ids, prompt_mask, completion_ids, sampler_logps, eos_ids, tokenizer.pad_token_id)
+    if images is not None:
+        batch["pixel_inputs"] = lambda rows: processor_inputs(processor, texts[rows], images[rows], device)
+    return batch
 
 
 def finish_batch(prompt_ids, prompt_mask, completion_ids, sampler_logps, eos_ids, pad_id):

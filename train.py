@@ -31,8 +31,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, get_scheduler
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard,
+                                    register_fsdp_forward_method)
+from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer,
+                          HfArgumentParser, PreTrainedModel, get_scheduler)
 
 import rewards as rewards_lib
 import rollout
@@ -239,15 +241,42 @@ def embedded_task(seed, num_rows=4096):
     return model, tokenizer, dataset
 
 
-def load_model(name):
-    """Causal LM from a local directory or the Hub, fp32 master weights; a clear error when it cannot be found."""
+def load_model(name, vision=False):
+    """Causal LM and tokenizer from a local directory or the Hub, fp32 master weights; vision=True (a dataset with
+    images): an image-text-to-text model and its processor. A clear error when it cannot be found or is text-only."""
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(name)
+        if vision:
+            model = AutoModelForImageTextToText.from_pretrained(name, dtype=torch.float32)
+            tokenizer = AutoProcessor.from_pretrained(name)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as e:
+        if vision and "Unrecognized configuration class" in str(e):
+            fail(f"the dataset has images but {name!r} is a text-only model; use a vision-language model "
+                 "(e.g. Qwen/Qwen2-VL-2B-Instruct, HuggingFaceTB/SmolVLM-256M-Instruct) or drop the image column")
         where = "local directory" if os.path.isdir(name) else "local directory or reachable Hub model"
         fail(f"cannot load model {name!r} as a {where}: {str(e).splitlines()[0]}")
+    if vision and not hasattr(tokenizer, "image_processor"):
+        fail(f"the dataset has images but {name!r} has no image processor (preprocessor_config.json); use a "
+             "vision-language model or drop the image column")
     return model, tokenizer
+
+
+def check_images(dataset, cfg):
+    """A dataset with an `image` or `images` column: conversational prompts only, and its first images must load."""
+    if cfg.use_vllm:
+        fail("image datasets train with Hugging Face generate for now; drop --use_vllm")
+    first = next(iter(dataset))
+    prompts = dataset["prompt"] if hasattr(dataset, "__len__") else [first["prompt"]]
+    bad = next((p for p in prompts if not rollout.is_conversational(p)), None)
+    if bad is not None:
+        fail(f"the dataset has images, so prompts must be conversational ([{{'role': 'user', 'content': ...}}]) for "
+             f"the images to enter the first user message; got {str(bad)[:80]!r}")
+    try:
+        rollout.row_images({k: [v] for k, v in first.items()})
+    except ValueError as e:
+        fail(f"first row: {e}")
 
 
 def load_data(cfg, split):
@@ -282,7 +311,8 @@ def load_data(cfg, split):
 def check_prompt_lengths(dataset, tokenizer, model, cfg):
     """Every prompt (after the chat template) plus max_completion_length must fit the model's context."""
     limit = getattr(model.config, "max_position_embeddings", None)
-    if limit is None or not hasattr(dataset, "__len__"):
+    if limit is None or not hasattr(dataset, "__len__") or "image" in dataset.column_names \
+            or "images" in dataset.column_names:  # image tokens are only counted once the processor has the images
         return
     texts = rollout.prompt_texts(tokenizer, dataset["prompt"], cfg.chat_template_kwargs)
     longest = max(len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids)
@@ -309,11 +339,15 @@ def prepare_model(model, cfg, world_size, trainable):
                                                       reduce_dtype=torch.float32))
         if cfg.cpu_offload:  # params, grads and optimizer state live in CPU memory; the optimizer steps on the CPU
             options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-        layer_types = tuple(getattr(model, "_no_split_modules", None) or ())
+        layer_types = {name for m in model.modules() if isinstance(m, PreTrainedModel)  # a VLM's towers list their own
+                       for name in getattr(m, "_no_split_modules", None) or ()}
         for module in model.modules():
             if type(module).__name__ in layer_types:
                 fully_shard(module, **options)
         fully_shard(model, **options)
+        # generate() is a forward of the root too: VLMs encode their images (in sharded towers) before the root's
+        # first forward call, which must come first
+        register_fsdp_forward_method(model, "generate")
     return model
 
 
@@ -366,6 +400,8 @@ def forward_logps(model, batch, rows, temperature, autocast):
     """Per-token log pi_T and entropy of the completion tokens of batch[rows], padding trimmed to these rows.
 
     Position ids follow the left padding (as in generate), and logits are computed for completion positions only.
+    Vision-language batches also pass the rows' pixel inputs; models with multimodal rotary positions (Qwen2-VL's
+    get_rope_index) derive the positions themselves from the ids, the images and the attention mask.
     """
     prompt_mask, completion_mask = batch["prompt_mask"][rows], batch["completion_mask"][rows]
     prompt_len, completion_len = int(prompt_mask.sum(-1).max()), int(completion_mask.sum(-1).max())
@@ -374,11 +410,28 @@ def forward_logps(model, batch, rows, temperature, autocast):
     input_ids = torch.cat([prompt_ids, completion_ids], 1)  # [b, L+T]
     attention_mask = torch.cat([prompt_mask[:, -prompt_len:], completion_mask[:, :completion_len]], 1)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    pixel_inputs = {}
+    if "pixel_inputs" in batch:  # the processor left-pads these rows to the same prompt_len
+        pixel_inputs = batch["pixel_inputs"](rows)
+        del pixel_inputs["input_ids"], pixel_inputs["attention_mask"]
+        for key in ("token_type_ids", "mm_token_type_ids"):  # per-token fields: completion tokens are text (0)
+            if key in pixel_inputs:
+                pixel_inputs[key] = torch.cat([pixel_inputs[key], torch.zeros_like(completion_ids)], 1)
+        if hasattr(getattr(model, "model", None), "get_rope_index"):
+            position_ids = None
     with autocast:
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       logits_to_keep=completion_len + 1, use_cache=False).logits[:, :-1]  # [b, T, V]
+                       logits_to_keep=completion_len + 1, use_cache=False, **pixel_inputs).logits[:, :-1]  # [b, T, V]
     logps, entropy = token_logps_and_entropy(logits, completion_ids, temperature)  # [b, T]
     return logps, entropy, completion_len
+
+
+def row_images(rows):
+    """rollout.row_images, with an unreadable image stopping the run with one line, not a traceback."""
+    try:
+        return rollout.row_images(rows)
+    except ValueError as e:
+        fail(str(e))
 
 
 def micro_batches(batch_size, micro_size):
@@ -581,8 +634,8 @@ def policy_step(cfg, model, optimizer, scheduler, batch, loss_mask, advantages, 
 
 
 @torch.no_grad()
-def evaluate(cfg, model, tokenizer, dataset, reward_funcs, reward_names, reward_weights, prompts_per_rank, rank,
-             world_size, device, step):
+def evaluate(cfg, model, tokenizer, processor, dataset, reward_funcs, reward_names, reward_weights, prompts_per_rank,
+             rank, world_size, device, step):
     """Sample G completions for every eval prompt and score them: the generation metrics, prefixed eval_.
 
     Each rank takes its share of every chunk of prompts; indices wrap so all ranks call generate equally often
@@ -592,8 +645,9 @@ def evaluate(cfg, model, tokenizer, dataset, reward_funcs, reward_names, reward_
     for start in range(0, n, prompts_per_rank * world_size):
         index = [start + rank * prompts_per_rank + j for j in range(prompts_per_rank)]
         rows = dataset[[i % n for i in index]]
-        batch = rollout.generate(model, tokenizer, rollout.prompt_texts(tokenizer, rows["prompt"],
-                                                                        cfg.chat_template_kwargs), cfg, device)
+        images = row_images(rows) if processor else None
+        prompts = rollout.prompt_texts(processor or tokenizer, rows["prompt"], cfg.chat_template_kwargs, images)
+        batch = rollout.generate(model, tokenizer, prompts, cfg, device, processor, images)
         texts = tokenizer.batch_decode(batch["completion_lists"], skip_special_tokens=True)
         rewards_per_func = call_rewards(reward_funcs, rows, texts, batch, G, step)
         valid = torch.tensor([i < n for i in index for _ in range(G)], device=device)
@@ -672,7 +726,7 @@ def barrier(world_size):
         dist.barrier()
 
 
-def save_checkpoint(cfg, model, optimizer, scheduler, state, rank, world_size):
+def save_checkpoint(cfg, model, optimizer, scheduler, state, rank, world_size, vision=False):
     """Every rank writes its own shards (nobody gathers the model) into checkpoint-N.tmp; rank 0 renames it when all
     are done, so a kill mid-save leaves the previous checkpoint intact. state: step, num_tokens, metric window."""
     final = os.path.join(cfg.output_dir, f"checkpoint-{state['step']}")
@@ -688,7 +742,8 @@ def save_checkpoint(cfg, model, optimizer, scheduler, state, rank, world_size):
     barrier(world_size)
     if rank == 0:
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump({**state, "scheduler": scheduler.state_dict(), "model": cfg.model, "world_size": world_size}, f)
+            json.dump({**state, "scheduler": scheduler.state_dict(), "model": cfg.model, "world_size": world_size,
+                       "vision": vision}, f)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         for old in checkpoint_dirs(cfg.output_dir)[:-cfg.save_total_limit] if cfg.save_total_limit else []:
@@ -735,8 +790,9 @@ def load_checkpoint(cfg, model, optimizer, scheduler, rank, world_size):
 def export_checkpoint(path, out_dir):
     """`python train.py export CHECKPOINT [OUT_DIR]`: a sharded checkpoint -> a Hugging Face model directory."""
     with open(os.path.join(path, "trainer_state.json")) as f:
-        name = json.load(f)["model"]
-    model, tokenizer = load_model(name) if name is not None else embedded_task(0)[:2]
+        state = json.load(f)
+    name = state["model"]
+    model, tokenizer = load_model(name, state.get("vision", False)) if name is not None else embedded_task(0)[:2]
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=path)  # reads every rank's shards in one process
     model.load_state_dict(state["model"])
@@ -773,13 +829,20 @@ def main(argv=None):
         fail("--model needs --dataset (a dataset with a 'prompt' column)")
     dataset = load_data(cfg, cfg.dataset_split) if cfg.dataset is not None else None
     eval_dataset = load_data(cfg, cfg.eval_split) if cfg.eval_split and cfg.dataset else None
+    vision = dataset is not None and bool({"image", "images"} & set(dataset.column_names or next(iter(dataset))))
+    if vision:
+        check_images(dataset, cfg)
     if cfg.model is None:
+        if vision:
+            fail("the dataset has images: pass --model with a vision-language model")
         model, tokenizer, embedded_dataset = embedded_task(cfg.seed)
         ref_model = embedded_task(cfg.seed)[0] if cfg.beta > 0 else None
         dataset = embedded_dataset if dataset is None else dataset
     else:
-        model, tokenizer = load_model(cfg.model)
-        ref_model = load_model(cfg.model)[0] if cfg.beta > 0 else None  # beta == 0: never loaded (SPEC §1.4)
+        model, tokenizer = load_model(cfg.model, vision)
+        ref_model = load_model(cfg.model, vision)[0] if cfg.beta > 0 else None  # beta == 0: never loaded (SPEC §1.4)
+    processor = tokenizer if vision else None  # VLM: the processor owns the chat template and the image processor
+    tokenizer = processor.tokenizer if vision else tokenizer
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     eos_ids = rollout.eos_token_ids(tokenizer, model)
@@ -835,9 +898,10 @@ def main(argv=None):
         t_start = time.perf_counter()
         # ======== 1. Sample: G completions per prompt (SPEC §1.1-1.2) ========
         rows = next(batches)  # this rank's P prompts and their columns
-        prompt_texts = rollout.prompt_texts(tokenizer, rows["prompt"], cfg.chat_template_kwargs)
+        images = row_images(rows) if processor else None  # [P] lists of PIL images
+        prompt_texts = rollout.prompt_texts(processor or tokenizer, rows["prompt"], cfg.chat_template_kwargs, images)
         if engine is None:
-            batch = rollout.generate(model, tokenizer, prompt_texts, cfg, device)
+            batch = rollout.generate(model, tokenizer, prompt_texts, cfg, device, processor, images)
         else:
             if cfg.vllm_enable_sleep_mode:
                 engine.wake_up()  # weights back from CPU (stale until the push below) and a fresh KV cache
@@ -907,7 +971,7 @@ def main(argv=None):
                         scored["rewards_per_func"].tolist(), scored["advantages"].tolist())]
                     logger.completions(step, ["step", "prompt", "completion", *reward_names, "advantage"], rows_out)
             if eval_dataset is not None and step % cfg.eval_steps == 0:
-                logger.write(step, evaluate(cfg, model, tokenizer, eval_dataset, reward_funcs, reward_names,
+                logger.write(step, evaluate(cfg, model, tokenizer, processor, eval_dataset, reward_funcs, reward_names,
                                             reward_weights, prompts_per_rank, rank, world_size, device, step))
             if nonfinite_in_a_row >= cfg.max_nonfinite_steps:
                 fail(f"{nonfinite_in_a_row} optimizer steps in a row had a NaN/inf gradient (all skipped); stopping. "
@@ -921,7 +985,7 @@ def main(argv=None):
         if (cfg.save_steps > 0 and step // cfg.save_steps > saved_step // cfg.save_steps) or step >= total_steps \
                 or stop_requested.item():
             save_checkpoint(cfg, model, optimizer, scheduler, dict(step=step, num_tokens=num_tokens,
-                                                                    window=logger.window), rank, world_size)
+                                                                    window=logger.window), rank, world_size, vision)
             saved_step = step
         if stop_requested.item():
             break
@@ -934,7 +998,7 @@ def main(argv=None):
     else:
         if is_main and step > start_step:
             show_samples("after training", rows["prompt"], G, texts, scored["rewards_per_func"].nansum(-1).tolist())
-        save_hf(model, tokenizer, cfg.output_dir, is_main)
+        save_hf(model, processor or tokenizer, cfg.output_dir, is_main)
         if is_main:
             print(f"rloo: metrics in {os.path.join(cfg.output_dir, 'metrics.jsonl')}, final model in {cfg.output_dir}")
     shutdown(engine, world_size)

