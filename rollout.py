@@ -146,11 +146,12 @@ class RecordLogps(LogitsProcessor):
 
 def sampling_processors(cfg, record, suppress=()):
     """Our own processor list, in order: record log pi_T (before any penalty or filter), then the sampling knobs.
+    Suppressed ids (VLM image placeholders) go first: the policy is the model without them, in training too.
 
     generate() runs with a fresh GenerationConfig in place of the model's, so it adds no processors of its own and a
     model's shipped generation_config (e.g. top_k=20, repetition_penalty=1.05) cannot silently change the sampling.
     """
-    processors = [record] + ([SuppressTokensLogitsProcessor(suppress)] if suppress else [])
+    processors = ([SuppressTokensLogitsProcessor(suppress)] if suppress else []) + [record]
     if cfg.repetition_penalty != 1.0:
         processors.append(RepetitionPenaltyLogitsProcessor(cfg.repetition_penalty))
     if cfg.temperature != 1.0:
@@ -195,8 +196,8 @@ def generate(model, tokenizer, prompts, cfg, device, processor=None, images=None
         prompt_ids = enc.input_ids.repeat_interleave(G, 0)  # [B, L]
         prompt_mask = enc.attention_mask.repeat_interleave(G, 0)  # [B, L]
     else:  # each completion gets its own copy of its prompt's images, as the training forward will see them
-        texts, images = [p for p in prompts for _ in range(G)], [row for row in images for _ in range(G)]
-        pixel_inputs = processor_inputs(processor, texts, images, device)
+        pixel_inputs = processor_inputs(processor, [p for p in prompts for _ in range(G)],
+                                        [row for row in images for _ in range(G)], device)
         prompt_ids, prompt_mask = pixel_inputs.pop("input_ids"), pixel_inputs.pop("attention_mask")  # [B, L]
     eos_ids = eos_token_ids(tokenizer, model)
 
@@ -217,8 +218,15 @@ def generate(model, tokenizer, prompts, cfg, device, processor=None, images=None
     sampler_logps = record.logps(completion_ids)  # [B, T]
 
     batch = finish_batch(prompt_ids, prompt_mask, completion_ids, sampler_logps, eos_ids, tokenizer.pad_token_id)
-    if images is not None:
-        batch["pixel_inputs"] = lambda rows: processor_inputs(processor, texts[rows], images[rows], device)
+    return batch if images is None else with_pixel_inputs(batch, processor, prompts, images, G, device)
+
+
+def with_pixel_inputs(batch, processor, prompts, images, G, device):
+    """batch["pixel_inputs"](rows): the processor's tensors for a slice of the B rows (for the training forward);
+    batch["suppressed_ids"]: the image placeholders the sampler never emits, so the training forward drops them too."""
+    texts, images = [p for p in prompts for _ in range(G)], [row for row in images for _ in range(G)]
+    batch["pixel_inputs"] = lambda rows: processor_inputs(processor, texts[rows], images[rows], device)
+    batch["suppressed_ids"] = torch.tensor(image_token_ids(processor), device=device)
     return batch
 
 
@@ -250,8 +258,9 @@ def batch_from_lists(prompt_id_lists, samples, G, eos_ids, pad_id, device):
                         sampler_logps.to(device), eos_ids, pad_id)
 
 
-def vllm_engine(cfg, model_path, rank, world_size, device):
-    """Colocate: an engine inside this process sharing the device (under torchrun: external_launcher, one per rank)."""
+def vllm_engine(cfg, model_path, rank, world_size, device, max_images=0):
+    """Colocate: an engine inside this process sharing the device (under torchrun: external_launcher, one per rank).
+    max_images > 0: a vision-language model, prompts carry up to that many images."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # keep the engine in-process so weights can be pushed in memory
     from vllm import LLM
 
@@ -262,6 +271,8 @@ def vllm_engine(cfg, model_path, rank, world_size, device):
                    enable_sleep_mode=cfg.vllm_enable_sleep_mode)
     if world_size > 1:
         options["distributed_executor_backend"] = "external_launcher"
+    if max_images:
+        options["limit_mm_per_prompt"] = {"image": max_images}
     if device.type == "cpu":  # on CPU the KV cache lives in RAM: a fixed size, not a fraction of the machine
         options.update(kv_cache_memory_bytes=cfg.vllm_kv_cache_memory_bytes, enforce_eager=True)
     else:
@@ -278,11 +289,13 @@ def vllm_sampling(cfg, eos_ids):
                 max_tokens=cfg.max_completion_length, logprobs=0, stop_token_ids=eos_ids, skip_special_tokens=False)
 
 
-def generate_vllm(engine, tokenizer, prompts, cfg, device, eos_ids, tp_group=None):
+def generate_vllm(engine, tokenizer, prompts, cfg, device, eos_ids, tp_group=None, processor=None, images=None):
     """G completions per prompt text from a colocated engine (vllm.LLM) or a server (a base URL string).
 
     tp_group: the ranks sharing one tensor-parallel colocated engine. They must call it together with the same
     requests, so they generate everyone's prompts and each keeps the completions of its own.
+    Vision-language (colocate): each prompt's images go to the engine as multi_modal_data; the engine expands the
+    image placeholders itself, the trainer's prompt ids and pixel inputs come from the processor.
     """
     prompt_id_lists = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
     if isinstance(engine, str):
@@ -290,17 +303,28 @@ def generate_vllm(engine, tokenizer, prompts, cfg, device, eos_ids, tp_group=Non
     else:
         from vllm import SamplingParams, TokensPrompt
 
-        requests, first = prompt_id_lists, 0
+        requests = [TokensPrompt(prompt_token_ids=ids, **({"multi_modal_data": {"image": row}} if images and row
+                                                          else {}))
+                    for ids, row in zip(prompt_id_lists, images or [None] * len(prompts))]
+        first = 0
         if tp_group is not None:
             everyone = [None] * torch.distributed.get_world_size(tp_group)
-            torch.distributed.all_gather_object(everyone, prompt_id_lists, group=tp_group)
-            requests = [ids for part in everyone for ids in part]
+            torch.distributed.all_gather_object(everyone, requests, group=tp_group)
+            requests = [request for part in everyone for request in part]
             first = sum(len(part) for part in everyone[:torch.distributed.get_rank(tp_group)])
-        outputs = engine.generate([TokensPrompt(prompt_token_ids=ids) for ids in requests],
-                                  SamplingParams(**vllm_sampling(cfg, eos_ids), detokenize=False), use_tqdm=False)
+        sampling = vllm_sampling(cfg, eos_ids)
+        if processor is not None:  # image placeholders are never sampled (see sampling_processors)
+            sampling["logit_bias"] = {i: -100.0 for i in image_token_ids(processor)}
+        outputs = engine.generate(requests, SamplingParams(**sampling, detokenize=False), use_tqdm=False)
         samples = [(list(c.token_ids), [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)])
                    for out in outputs[first:first + len(prompt_id_lists)] for c in out.outputs]
-    return batch_from_lists(prompt_id_lists, samples, cfg.num_generations, eos_ids, tokenizer.pad_token_id, device)
+    if images is None:
+        return batch_from_lists(prompt_id_lists, samples, cfg.num_generations, eos_ids, tokenizer.pad_token_id,
+                                device)
+    enc = processor_inputs(processor, prompts, images, device)  # placeholders expanded, as the model sees them
+    expanded = [ids[mask.bool()].tolist() for ids, mask in zip(enc["input_ids"], enc["attention_mask"])]
+    batch = batch_from_lists(expanded, samples, cfg.num_generations, eos_ids, tokenizer.pad_token_id, device)
+    return with_pixel_inputs(batch, processor, prompts, images, cfg.num_generations, device)
 
 
 def full_weights(model):
@@ -313,10 +337,12 @@ def full_weights(model):
 
 
 def push_weights_colocate(engine, model):
-    """New policy weights into this rank's engine, in memory; then drop KV blocks computed with the old ones."""
+    """New policy weights into this rank's engine, in memory; then drop KV blocks and image features computed with
+    the old ones."""
     runner = engine.llm_engine.model_executor.driver_worker.worker.model_runner
     runner.reload_weights(weights_iterator=full_weights(model))
     engine.reset_prefix_cache()
+    engine.llm_engine.reset_encoder_cache()  # image features computed with the old vision tower
 
 
 # --- server mode: plain HTTP to vLLM's OpenAI-compatible server (started with VLLM_SERVER_DEV_MODE=1) ---

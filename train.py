@@ -265,8 +265,8 @@ def load_model(name, vision=False):
 
 def check_images(dataset, cfg):
     """A dataset with an `image` or `images` column: conversational prompts only, and its first images must load."""
-    if cfg.use_vllm:
-        fail("image datasets train with Hugging Face generate for now; drop --use_vllm")
+    if cfg.use_vllm and cfg.vllm_mode == "server":
+        fail("image datasets generate with HF generate or --vllm_mode colocate; server mode sends token ids only")
     first = next(iter(dataset))
     prompts = dataset["prompt"] if hasattr(dataset, "__len__") else [first["prompt"]]
     bad = next((p for p in prompts if not rollout.is_conversational(p)), None)
@@ -422,8 +422,17 @@ def forward_logps(model, batch, rows, temperature, autocast):
     with autocast:
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                        logits_to_keep=completion_len + 1, use_cache=False, **pixel_inputs).logits[:, :-1]  # [b, T, V]
+    if "suppressed_ids" in batch:  # VLM: the sampler's distribution has no image placeholders; finite, for entropy
+        logits = logits.index_fill(-1, batch["suppressed_ids"], -1e30)
     logps, entropy = token_logps_and_entropy(logits, completion_ids, temperature)  # [b, T]
     return logps, entropy, completion_len
+
+
+def max_images_per_row(dataset):
+    """The most images one prompt carries (what vLLM must make room for); a streamed `images` column: assume 8."""
+    if "images" not in (dataset.column_names or next(iter(dataset))):
+        return 1
+    return max(len(x or []) for x in dataset["images"]) if hasattr(dataset, "__len__") else 8
 
 
 def row_images(rows):
@@ -662,7 +671,7 @@ def evaluate(cfg, model, tokenizer, processor, dataset, reward_funcs, reward_nam
     return {f"eval_{k}": v for k, v in metrics.items()}
 
 
-def start_generator(cfg, model, tokenizer, rank, world_size, device):
+def start_generator(cfg, model, tokenizer, rank, world_size, device, max_images=0):
     """vLLM colocate: an engine in this process, loaded from the model's files (the embedded model is saved first).
     Server: the base URL, once the server answers its health check."""
     if cfg.vllm_mode == "server":
@@ -679,7 +688,7 @@ def start_generator(cfg, model, tokenizer, rank, world_size, device):
             model.save_pretrained(path)
             tokenizer.save_pretrained(path)
         barrier(world_size)
-    return rollout.vllm_engine(cfg, path, rank, world_size, device)
+    return rollout.vllm_engine(cfg, path, rank, world_size, device, max_images)
 
 
 def tensor_parallel_group(cfg, world_size):
@@ -862,7 +871,8 @@ def main(argv=None):
             fail(str(e))
     reward_names = [rewards_lib.reward_name(f) for f in reward_funcs]
     reward_weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_funcs))
-    engine = start_generator(cfg, model, tokenizer, rank, world_size, device) if cfg.use_vllm else None
+    engine = start_generator(cfg, model, tokenizer, rank, world_size, device,
+                             max_images_per_row(dataset) if vision else 0) if cfg.use_vllm else None
     tp_group = tensor_parallel_group(cfg, world_size)
     engine_step = -1  # the optimizer step whose weights the generator holds
 
@@ -909,7 +919,8 @@ def main(argv=None):
                 push_weights(engine, model, cfg, is_main, world_size)
                 engine_step = step
             t_synced = time.perf_counter()
-            batch = rollout.generate_vllm(engine, tokenizer, prompt_texts, cfg, device, eos_ids, tp_group)
+            batch = rollout.generate_vllm(engine, tokenizer, prompt_texts, cfg, device, eos_ids, tp_group, processor,
+                                          images)
             if cfg.vllm_enable_sleep_mode:
                 engine.sleep(level=1)  # offload weights, drop the KV cache: the memory is training's until next time
         t_generated = time.perf_counter()

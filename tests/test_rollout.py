@@ -282,3 +282,25 @@ def test_vlm_training_forward_reproduces_the_sampler_log_probs(tmp_path, family,
         logps, _, T = train.forward_logps(model, batch, rows_slice, 1.0, nullcontext())
         mask = batch["completion_mask"][rows_slice, :T]
         torch.testing.assert_close(logps * mask, batch["sampler_logps"][rows_slice, :T], atol=2e-5, rtol=0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
+def test_vllm_colocate_generates_from_images_and_follows_the_trainer(tmp_path, image_dataset):
+    """Qwen2-VL with a colocated engine: the images reach vLLM as multi_modal_data (a sampler that ignored them, or
+    one left on stale weights after three large AdamW steps, would not reproduce the trainer's log-probs)."""
+    from conftest import build_vlm
+
+    model_dir = build_vlm(tmp_path / "qwen2vl", "qwen2vl")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "vllm_vlm_worker.py"), "--model", model_dir,
+                          "--dataset", image_dataset, "--use_vllm", "--reward_funcs",
+                          "tests/vlm_reward.py:color_reward", "--num_generations", "2",
+                          "--per_device_train_batch_size", "4", "--max_completion_length", "6", "--max_steps", "3",
+                          "--logging_steps", "1", "--bf16", "false", "--beta", "0.1", "--learning_rate", "1e-2",
+                          "--output_dir", str(tmp_path / "run")], capture_output=True, text=True, cwd=ROOT,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert len(metrics) == 3
+    for m in metrics:
+        assert m["sampling/sampling_logp_difference/mean"] < 1e-4, m
+        assert m["time/weight_sync"] > 0 and m["grad_norm"] > 0
