@@ -6,6 +6,7 @@ distribution, log softmax(logits / temperature)[o_t]. They are the "old" log-pro
 (SPEC §1.4), so the trainer needs no separate scoring pass before the update (SPEC §2).
 """
 
+import base64
 import functools
 import io
 import json
@@ -42,14 +43,14 @@ def prompt_texts(tokenizer, prompts, chat_template_kwargs=None, images=None):
             if is_conversational(p) else p for p in prompts]
 
 
-def with_images(messages, images):
-    """The conversation with one {"type": "image"} part per image at the front of its first user message."""
+def with_images(messages, images, part=lambda image: {"type": "image"}):
+    """The conversation with one image part per image at the front of its first user message."""
     out, placed = [], False
     for message in messages:
         if not placed and message["role"] == "user":
             content = message["content"]
             parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
-            message, placed = {**message, "content": [{"type": "image"} for _ in images] + parts}, True
+            message, placed = {**message, "content": [part(image) for image in images] + parts}, True
         out.append(message)
     return out
 
@@ -289,17 +290,25 @@ def vllm_sampling(cfg, eos_ids):
                 max_tokens=cfg.max_completion_length, logprobs=0, stop_token_ids=eos_ids, skip_special_tokens=False)
 
 
-def generate_vllm(engine, tokenizer, prompts, cfg, device, eos_ids, tp_group=None, processor=None, images=None):
+def generate_vllm(engine, tokenizer, prompts, cfg, device, eos_ids, tp_group=None, processor=None, images=None,
+                  conversations=None):
     """G completions per prompt text from a colocated engine (vllm.LLM) or a server (a base URL string).
 
     tp_group: the ranks sharing one tensor-parallel colocated engine. They must call it together with the same
     requests, so they generate everyone's prompts and each keeps the completions of its own.
-    Vision-language (colocate): each prompt's images go to the engine as multi_modal_data; the engine expands the
-    image placeholders itself, the trainer's prompt ids and pixel inputs come from the processor.
+    Vision-language: each prompt's images go to a colocated engine as multi_modal_data (it expands the image
+    placeholders itself) and to a server inside the chat `conversations`; either way the trainer's prompt ids and
+    pixel inputs come from the processor.
     """
     prompt_id_lists = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
-    if isinstance(engine, str):
-        samples = server_generate(engine, prompt_id_lists, vllm_sampling(cfg, eos_ids), cfg.vllm_server_timeout)
+    sampling = vllm_sampling(cfg, eos_ids)
+    if processor is not None:  # image placeholders are never sampled (see sampling_processors)
+        sampling["logit_bias"] = {i: -100.0 for i in image_token_ids(processor)}
+    if isinstance(engine, str) and images is not None:
+        samples = server_chat(engine, conversations, images, sampling, cfg.vllm_server_timeout,
+                              cfg.chat_template_kwargs)
+    elif isinstance(engine, str):
+        samples = server_generate(engine, prompt_id_lists, sampling, cfg.vllm_server_timeout)
     else:
         from vllm import SamplingParams, TokensPrompt
 
@@ -312,9 +321,6 @@ def generate_vllm(engine, tokenizer, prompts, cfg, device, eos_ids, tp_group=Non
             torch.distributed.all_gather_object(everyone, requests, group=tp_group)
             requests = [request for part in everyone for request in part]
             first = sum(len(part) for part in everyone[:torch.distributed.get_rank(tp_group)])
-        sampling = vllm_sampling(cfg, eos_ids)
-        if processor is not None:  # image placeholders are never sampled (see sampling_processors)
-            sampling["logit_bias"] = {i: -100.0 for i in image_token_ids(processor)}
         outputs = engine.generate(requests, SamplingParams(**sampling, detokenize=False), use_tqdm=False)
         samples = [(list(c.token_ids), [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)])
                    for out in outputs[first:first + len(prompt_id_lists)] for c in out.outputs]
@@ -388,6 +394,27 @@ def server_generate(base_url, prompt_id_lists, sampling, timeout):
     return [(c["token_ids"], c["logprobs"]["token_logprobs"]) for c in choices]
 
 
+def server_chat(base_url, conversations, images, sampling, timeout, chat_template_kwargs):
+    """Vision-language prompts: one POST /v1/chat/completions per prompt (n = G, images as base64 PNG data URLs),
+    sent together so the server batches them; the server applies the model's chat template as prompt_texts does."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def image_url(image):
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        return {"type": "image_url", "image_url": {"url": "data:image/png;base64," +
+                                                   base64.b64encode(buffer.getvalue()).decode()}}
+
+    payloads = [dict(model=server_model_name(base_url), messages=with_images(c, row, image_url),
+                     **{**sampling, "logprobs": True, "top_logprobs": 0}, return_tokens_as_token_ids=True,
+                     chat_template_kwargs=chat_template_kwargs or {}) for c, row in zip(conversations, images)]
+    with ThreadPoolExecutor(len(payloads)) as pool:
+        answers = list(pool.map(lambda p: http(base_url + "/v1/chat/completions", p, timeout=timeout), payloads))
+    return [([int(t["token"].removeprefix("token_id:")) for t in c["logprobs"]["content"]],
+             [t["logprob"] for t in c["logprobs"]["content"]])
+            for answer in answers for c in sorted(answer["choices"], key=lambda c: c["index"])]
+
+
 @functools.lru_cache(maxsize=None)
 def server_model_name(base_url):
     return http(base_url + "/v1/models")["data"][0]["id"]
@@ -395,7 +422,8 @@ def server_model_name(base_url):
 
 def push_weights_server(base_url, model, sync_dir, is_main, world_size):
     """Without NCCL between trainer and server: rank 0 writes the full weights as safetensors to a directory the
-    server can read (shared filesystem), the server reloads them in place, and its prefix cache is reset."""
+    server can read (shared filesystem), the server reloads them in place, and its prefix and image-feature caches
+    are reset."""
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -408,5 +436,6 @@ def push_weights_server(base_url, model, sync_dir, is_main, world_size):
         http(base_url + "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": sync_dir}},
              timeout=600)
         http(base_url + "/reset_prefix_cache", {})
+        http(base_url + "/reset_encoder_cache", {})  # image features computed with the old vision tower
     if world_size > 1:
         torch.distributed.barrier()  # no rank samples before the server holds the new weights

