@@ -343,9 +343,8 @@ def prepare_model(model, cfg, world_size, trainable):
             if type(module).__name__ in layer_types:
                 fully_shard(module, **options)
         fully_shard(model, **options)
-        # generate() is a forward of the root too: VLMs encode their images (in sharded towers) before the root's
-        # first forward call, which must come first
-        register_fsdp_forward_method(model, "generate")
+        if trainable:  # the policy's generate() is a root forward too: VLMs encode images (in sharded towers)
+            register_fsdp_forward_method(model, "generate")  # before the root's own first forward, which must be first
     return model
 
 
