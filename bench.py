@@ -150,8 +150,8 @@ def run_trl(model_dir, c, steps):
 
 def summarize(name, steps, num_completions):
     steps = steps[2:]  # with the first step dropped by the runners: 3 warm-up steps
-    for s in steps:  # per step, then the median (medians of the parts need not add up)
-        s["other"] = s["step_time"] - sum(s.get(k) or 0.0 for k in PHASES)
+    for s in steps:  # per step, then the median (medians of the parts need not add up); generation includes sync
+        s["other"] = s["step_time"] - sum(s.get(k) or 0.0 for k in PHASES if k != "time/weight_sync")
     med = {key: statistics.median(s[key] for s in steps) for key in steps[0]
            if all(isinstance(s.get(key), (int, float)) for s in steps)}
     tokens = med["completions/mean_length"] * num_completions  # per step, all ranks
