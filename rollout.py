@@ -197,8 +197,8 @@ def generate(model, tokenizer, prompts, cfg, device, processor=None, images=None
         prompt_ids = enc.input_ids.repeat_interleave(G, 0)  # [B, L]
         prompt_mask = enc.attention_mask.repeat_interleave(G, 0)  # [B, L]
     else:  # each completion gets its own copy of its prompt's images, as the training forward will see them
-        pixel_inputs = processor_inputs(processor, [p for p in prompts for _ in range(G)],
-                                        [row for row in images for _ in range(G)], device)
+        rows_inputs = pixel_inputs_for(processor, prompts, images, G, device)
+        pixel_inputs = rows_inputs(slice(None))
         prompt_ids, prompt_mask = pixel_inputs.pop("input_ids"), pixel_inputs.pop("attention_mask")  # [B, L]
     eos_ids = eos_token_ids(tokenizer, model)
 
@@ -219,14 +219,19 @@ def generate(model, tokenizer, prompts, cfg, device, processor=None, images=None
     sampler_logps = record.logps(completion_ids)  # [B, T]
 
     batch = finish_batch(prompt_ids, prompt_mask, completion_ids, sampler_logps, eos_ids, tokenizer.pad_token_id)
-    return batch if images is None else with_pixel_inputs(batch, processor, prompts, images, G, device)
+    return batch if images is None else with_pixel_inputs(batch, processor, rows_inputs, device)
 
 
-def with_pixel_inputs(batch, processor, prompts, images, G, device):
-    """batch["pixel_inputs"](rows): the processor's tensors for a slice of the B rows (for the training forward);
-    batch["suppressed_ids"]: the image placeholders the sampler never emits, so the training forward drops them too."""
+def pixel_inputs_for(processor, prompts, images, G, device):
+    """rows -> the processor's tensors for that slice of the B = P*G rows (each prompt and its images G times)."""
     texts, images = [p for p in prompts for _ in range(G)], [row for row in images for _ in range(G)]
-    batch["pixel_inputs"] = lambda rows: processor_inputs(processor, texts[rows], images[rows], device)
+    return lambda rows: processor_inputs(processor, texts[rows], images[rows], device)
+
+
+def with_pixel_inputs(batch, processor, rows_inputs, device):
+    """batch["pixel_inputs"](rows): the processor's tensors for a slice of the rows (for the training forward);
+    batch["suppressed_ids"]: the image placeholders the sampler never emits, so the training forward drops them too."""
+    batch["pixel_inputs"] = rows_inputs
     batch["suppressed_ids"] = torch.tensor(image_token_ids(processor), device=device)
     return batch
 
@@ -327,10 +332,11 @@ def generate_vllm(engine, tokenizer, prompts, cfg, device, eos_ids, tp_group=Non
     if images is None:
         return batch_from_lists(prompt_id_lists, samples, cfg.num_generations, eos_ids, tokenizer.pad_token_id,
                                 device)
-    enc = processor_inputs(processor, prompts, images, device)  # placeholders expanded, as the model sees them
+    rows_inputs = pixel_inputs_for(processor, prompts, images, cfg.num_generations, device)
+    enc = rows_inputs(slice(None, None, cfg.num_generations))  # one row per prompt, placeholders expanded
     expanded = [ids[mask.bool()].tolist() for ids, mask in zip(enc["input_ids"], enc["attention_mask"])]
     batch = batch_from_lists(expanded, samples, cfg.num_generations, eos_ids, tokenizer.pad_token_id, device)
-    return with_pixel_inputs(batch, processor, prompts, images, cfg.num_generations, device)
+    return with_pixel_inputs(batch, processor, rows_inputs, device)
 
 
 def full_weights(model):

@@ -309,8 +309,7 @@ def load_data(cfg, split):
 def check_prompt_lengths(dataset, tokenizer, model, cfg):
     """Every prompt (after the chat template) plus max_completion_length must fit the model's context."""
     limit = getattr(model.config, "max_position_embeddings", None)
-    if limit is None or not hasattr(dataset, "__len__") or "image" in dataset.column_names \
-            or "images" in dataset.column_names:  # image tokens are only counted once the processor has the images
+    if limit is None or not hasattr(dataset, "__len__"):
         return
     texts = rollout.prompt_texts(tokenizer, dataset["prompt"], cfg.chat_template_kwargs)
     longest = max(len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids)
@@ -852,7 +851,8 @@ def main(argv=None):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     eos_ids = rollout.eos_token_ids(tokenizer, model)
-    check_prompt_lengths(dataset, tokenizer, model, cfg)
+    if not vision:  # image tokens are only counted once the processor has the images
+        check_prompt_lengths(dataset, tokenizer, model, cfg)
     if hasattr(dataset, "__len__") and len(dataset) < prompts_per_rank * world_size:
         fail(f"dataset has {len(dataset)} rows but one step needs {prompts_per_rank * world_size} prompts; "
              "lower per_device_train_batch_size or gradient_accumulation_steps")

@@ -143,11 +143,12 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start_server(model_dir, port):
+def start_server(model_dir, port, launcher=("-m", "vllm.entrypoints.openai.api_server"), extra=()):
     return subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host",
+        [sys.executable, *launcher, "--model", str(model_dir), "--host",
          "127.0.0.1", "--port", str(port), "--dtype", "float32", "--kv-cache-memory-bytes", str(256 * 2**20),
-         "--enforce-eager", "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--seed", "0"],
+         "--enforce-eager", "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--seed", "0",
+         *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,  # its own process group
         env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", "OMP_NUM_THREADS": "1"})
 
@@ -297,12 +298,8 @@ def test_vllm_generates_from_images_and_follows_the_trainer(tmp_path, image_data
     flags, server = [], None
     if mode == "server":
         port = free_port()
-        server = subprocess.Popen(
-            worker + ["serve", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-                      "--kv-cache-memory-bytes", str(128 * 2**20), "--enforce-eager", "--logprobs-mode",
-                      "processed_logprobs", "--generation-config", "vllm", "--limit-mm-per-prompt", '{"image": 2}'],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-            env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", "OMP_NUM_THREADS": "1"})
+        server = start_server(model_dir, port, launcher=worker[1:] + ["serve"],
+                              extra=["--limit-mm-per-prompt", '{"image": 2}'])
         flags = ["--vllm_mode", "server", "--vllm_server_port", str(port)]
     try:
         if server:
