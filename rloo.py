@@ -10,22 +10,24 @@ import torch
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: large enough never to bind on sane data, small enough to never overflow
 
 
-def token_logps_and_entropy(logits, token_ids, temperature=1.0):
+def token_logps_and_entropy(logits, token_ids, temperature=1.0, chunk_elements=2**24):
     """Per-token log pi(o_t) and entropy of softmax(logits / temperature).
 
     logits [B, T, V] (position t predicts token_ids[:, t]), token_ids [B, T] -> logps [B, T], entropy [B, T].
-    log p = logit[o_t] - logsumexp(logits): no [B, T, V] log-softmax copy. The logsumexp runs row by row
-    so its temporaries are one [T, V] at a time. Entropy carries no gradient (it is a metric).
+    log p = logit[o_t] - logsumexp(logits): no [B, T, V] log-softmax copy. The logsumexp runs over chunks of rows
+    whose fp32 temporaries hold at most chunk_elements (64 MB): one chunk for a small vocabulary (few ops), one row
+    at a time for a large one. Entropy carries no gradient (it is a metric).
     """
     if temperature != 1.0:
         logits = logits / temperature
     picked = logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1).float()  # [B, T]
-    logsumexp = torch.stack([torch.logsumexp(row.float(), dim=-1) for row in logits])  # [B, T]
+    chunks = logits.split(max(1, chunk_elements // (logits.shape[1] * logits.shape[2])))
+    logsumexp = [torch.logsumexp(chunk.float(), dim=-1) for chunk in chunks]  # [b, T] each
     with torch.no_grad():
         # H = logsumexp(z) - sum_v softmax(z)_v z_v
-        entropy = torch.stack([lse - (torch.softmax(row.float(), -1) * row.float()).sum(-1)
-                               for lse, row in zip(logsumexp, logits)])  # [B, T]
-    return picked - logsumexp, entropy
+        entropy = [lse - (torch.softmax(chunk.float(), -1) * chunk.float()).sum(-1)
+                   for lse, chunk in zip(logsumexp, chunks)]
+    return picked - torch.cat(logsumexp), torch.cat(entropy)
 
 
 def sequence_kl(logps, ref_logps, mask):

@@ -117,9 +117,11 @@ class Config:
 
 # `python train.py` with no --model: a tiny model learns the embedded task on CPU. These replace the defaults above
 # (flags given on the command line still win) because the paper-scale defaults (lr 1e-6, bf16) are for real models.
+# A small KL penalty keeps exploring: without it a third of seeds lock into a wrong digit for good (all G samples
+# agree, so every advantage is 0) and plateau at reward 0.6-0.9; with beta=0.02 all seeds tried reach ~0.99.
 EMBEDDED_PRESET = dict(
     reward_funcs=["task_reward"], num_generations=8, max_completion_length=5, per_device_train_batch_size=128,
-    learning_rate=1e-3, lr_scheduler_type="constant", beta=0.0, max_steps=800, bf16=False,
+    learning_rate=1e-3, lr_scheduler_type="constant", beta=0.02, max_steps=500, bf16=False,
     gradient_checkpointing=False, output_dir="runs/embedded", overwrite_output_dir=True)
 
 
@@ -877,7 +879,8 @@ def main(argv=None):
     total_steps = (cfg.max_steps if cfg.max_steps > 0
                    else math.ceil(cfg.num_train_epochs * steps_per_epoch) * cfg.num_iterations)
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    # fused: one kernel over all parameters instead of a loop of small ops per tensor (6x faster step on CPU)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=True)
     scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
     # bf16: FSDP2's MixedPrecisionPolicy casts when sharded; a single process uses autocast over fp32 weights.

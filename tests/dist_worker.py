@@ -35,4 +35,5 @@ state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=Tru
 if rank == 0:
     torch.save({"loss": stats[0].item() / world_size, "grad_norm": grad_norm.item(), "state": state}, sys.argv[1])
 if world_size > 1:
+    dist.barrier()  # no rank tears gloo down while rank 0 still saves (else a rare SIGABRT at exit)
     dist.destroy_process_group()

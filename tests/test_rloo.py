@@ -70,11 +70,12 @@ def test_normalize_advantages_mean_zero_std_one():
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_token_logps_and_entropy_match_log_softmax_and_autograd(temperature):
+@pytest.mark.parametrize("chunk_elements", [2**24, 1, 2 * 5 * 11])  # all rows at once, one row, chunks of 2 and 1
+def test_token_logps_and_entropy_match_log_softmax_and_autograd(temperature, chunk_elements):
     torch.manual_seed(0)
     logits = torch.randn(3, 5, 11, dtype=torch.float64, requires_grad=True)
     ids = torch.randint(0, 11, (3, 5))
-    logps, entropy = token_logps_and_entropy(logits, ids, temperature)
+    logps, entropy = token_logps_and_entropy(logits, ids, temperature, chunk_elements)
     reference = torch.log_softmax(logits / temperature, -1)
     torch.testing.assert_close(logps.double(), reference.gather(-1, ids[..., None]).squeeze(-1), atol=1e-6, rtol=0)
     torch.testing.assert_close(entropy.double(), -(reference.exp() * reference).sum(-1), atol=1e-6, rtol=0)

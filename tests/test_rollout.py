@@ -82,6 +82,32 @@ def test_sampler_logps_equal_a_full_forward(tiny, knobs):
     torch.testing.assert_close(out["sampler_logps"][:, :T] * mask, logps * mask, atol=1e-5, rtol=0)
 
 
+@torch.no_grad()
+def test_decode_samples_from_the_processed_distribution_and_stops_when_all_rows_end(tiny):
+    """decode's draw (argmax p / E, E ~ Exp(1)) against the distribution HF's processors give: 20000 first tokens
+    of one prompt match softmax(processed logits) to 0.015, and filtered-out tokens never appear."""
+    model, tokenizer, _ = tiny
+    cfg = gen_cfg(max_completion_length=1, temperature=0.7, top_k=5, top_p=0.9)
+    prompt = tokenizer(["4172="], return_tensors="pt").input_ids  # [1, 5]
+    scores = model(input_ids=prompt).logits[:, -1]
+    for process in rollout.sampling_processors(cfg):
+        scores = process(prompt, scores)
+    want = torch.softmax(scores, -1)[0]  # [V]
+    n = 20000
+    torch.manual_seed(0)
+    ids, logps = rollout.decode(model.eval(), prompt.expand(n, -1), torch.ones(n, 5, dtype=torch.long), cfg, [0], 0)
+    got = torch.bincount(ids[:, 0], minlength=len(want)).float() / n
+    assert (got[want == 0] == 0).all() and (want > 0).sum() > 1
+    torch.testing.assert_close(got, want, atol=0.015, rtol=0)
+    # the recorded log-probs are of the unfiltered distribution at temperature 0.7 (SPEC §1)
+    want_logps = torch.log_softmax(model(input_ids=prompt).logits[0, -1] / 0.7, -1)  # [V]
+    torch.testing.assert_close(logps[:, 0], want_logps[ids[:, 0]])
+    # every token an EOS: all rows end at once, and decode stops after one token instead of running to 6
+    ids, _ = rollout.decode(model, prompt.expand(4, -1), torch.ones(4, 5, dtype=torch.long), gen_cfg(),
+                            list(range(len(want))), 0)
+    assert ids.shape == (4, 1)
+
+
 def test_model_generation_config_does_not_leak_into_sampling(tiny):
     """A model shipping top_k=1 (greedy-like) must not change our sampling: completions stay diverse."""
     model, tokenizer, _ = tiny
