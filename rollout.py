@@ -231,13 +231,13 @@ class KVBuffer(DynamicLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-            self.length = 0
             self.key_buffer, self.value_buffer = (  # [B, H, capacity, D]; keys and values may differ in H or D
                 x.new_empty(*x.shape[:2], self.capacity, x.shape[3]) for x in (key_states, value_states))
-        start, self.length = self.length, self.length + key_states.shape[-2]
-        self.key_buffer[:, :, start:self.length] = key_states
-        self.value_buffer[:, :, start:self.length] = value_states
-        self.keys, self.values = self.key_buffer[:, :, :self.length], self.value_buffer[:, :, :self.length]
+        start = self.get_seq_length()  # the views below are the cache so far
+        end = start + key_states.shape[-2]
+        self.key_buffer[:, :, start:end] = key_states
+        self.value_buffer[:, :, start:end] = value_states
+        self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
         return self.keys, self.values
 
 
