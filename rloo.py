@@ -1,6 +1,6 @@
 """RLOO math: pure functions on tensors. No I/O, no distributed calls, no models.
 
-Notation (SPEC §1): B completions, T completion tokens, V vocabulary, G completions per prompt.
+Notation: B completions, T completion tokens, V vocabulary, G completions per prompt.
 Paper: Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning
 from Human Feedback in LLMs", §3 (RLOO estimator, sequence-level KL-shaped reward).
 """
@@ -55,17 +55,25 @@ def rloo_advantages(rewards, num_generations):
     rewards [B] (B = P*G, group members adjacent) -> advantages [B].
     """
     grouped = rewards.view(-1, num_generations)  # [P, G]
-    valid = ~torch.isnan(grouped)
-    n = valid.sum(-1, keepdim=True)  # [P, 1]
+    n = (~torch.isnan(grouped)).sum(-1, keepdim=True)  # [P, 1]
     r = torch.nan_to_num(grouped)
     baseline = (r.sum(-1, keepdim=True) - r) / (n - 1).clamp(min=1)  # [P, G]
-    advantages = torch.where(valid & (n >= 2), r - baseline, 0.0)
-    return advantages.view(-1)
+    return torch.where(has_baseline(rewards, num_generations).view_as(r), r - baseline, 0.0).view(-1)
 
 
-def normalize_advantages(advantages):
-    """A <- (A - mean A) / (std A + 1e-4) over the whole global batch (pass every rank's advantages)."""
-    return (advantages - advantages.mean()) / (advantages.std() + 1e-4)
+def has_baseline(rewards, num_generations):
+    """Completions that get a leave-one-out advantage: scorable, in a group with at least 2 scorable members.  [B]"""
+    scorable = ~torch.isnan(rewards.view(-1, num_generations))  # [P, G]
+    return (scorable & (scorable.sum(-1, keepdim=True) >= 2)).view(-1)
+
+
+def normalize_advantages(advantages, mask):
+    """A <- (A - mean A) / (std A + 1e-4) over the completions in mask (those with a baseline, over the whole global
+    batch: pass every rank's); the others keep A = 0, as in TRL, so their forced zeros do not shift the statistics."""
+    kept = advantages[mask]
+    if kept.numel() < 2:
+        return advantages
+    return torch.where(mask, (advantages - kept.mean()) / (kept.std() + 1e-4), 0.0)
 
 
 def rloo_loss(logps, old_logps, advantages, epsilon_low, epsilon_high, num_sequences, is_weights=None):

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rloo import (combine_rewards, normalize_advantages, rloo_advantages, rloo_loss, sequence_kl,
+from rloo import (combine_rewards, has_baseline, normalize_advantages, rloo_advantages, rloo_loss, sequence_kl,
                   token_logps_and_entropy)
 
 nan = math.nan
@@ -64,9 +64,22 @@ def test_combine_rewards_weights_none_and_clip():
 
 def test_normalize_advantages_mean_zero_std_one():
     a = torch.tensor([1.0, 2.0, 3.0, 10.0], dtype=torch.float64)
-    n = normalize_advantages(a)
+    n = normalize_advantages(a, torch.ones(4, dtype=torch.bool))
     assert abs(n.mean().item()) < 1e-12
     assert n.std().item() == pytest.approx(a.std().item() / (a.std().item() + 1e-4))
+
+
+def test_normalize_advantages_uses_only_completions_with_a_baseline():
+    # group 1: one unscorable member; group 2: a single scorable member (no baseline); group 3: all scorable
+    r = torch.tensor([1.0, 3.0, nan, 2.0, nan, nan, nan, 5.0, 0.0, 1.0, 2.0, 3.0], dtype=torch.float64)
+    mask = has_baseline(r, 4)
+    assert mask.tolist() == [True, True, False, True] + [False] * 4 + [True] * 4
+    a = rloo_advantages(r, 4)
+    n = normalize_advantages(a, mask)
+    kept = a[mask]  # by hand: mean and std over the 7 completions with a baseline, the others stay exactly 0
+    torch.testing.assert_close(n[mask], (kept - kept.mean()) / (kept.std() + 1e-4))
+    assert n[~mask].tolist() == [0.0] * 5
+    assert abs(n[mask].mean().item()) < 1e-12
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
