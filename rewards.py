@@ -62,6 +62,17 @@ def accuracy_reward(completions, solution, **kwargs):
     return rewards
 
 
+def last_number_reward(completions, solution, **kwargs):
+    """1.0 if the last number in the completion equals `solution` (a number, or text holding one), else 0.0; None if
+    the solution holds no number. For arithmetic answers in plain text, which accuracy_reward (LaTeX) does not read."""
+    number = re.compile(r"-?\d+(?:\.\d+)?")
+    rewards = []
+    for completion, gold in zip(completions, solution):
+        want, got = number.findall(str(gold)), number.findall(_text(completion).replace(",", ""))
+        rewards.append(None if not want else float(bool(got) and float(got[-1]) == float(want[-1])))
+    return rewards
+
+
 def think_format_reward(completions, **kwargs):
     """1.0 if the completion is `<think>...</think>` followed by an answer, with exactly one think block."""
     pattern = re.compile(r"^<think>(?!.*<think>)(.*?)</think>.*$", re.DOTALL)
@@ -86,7 +97,7 @@ def soft_overlong_punishment(max_completion_len, soft_punish_cache):
     return soft_overlong_punishment_reward
 
 
-BUILTINS = {f.__name__: f for f in (task_reward, accuracy_reward, think_format_reward)}
+BUILTINS = {f.__name__: f for f in (task_reward, accuracy_reward, last_number_reward, think_format_reward)}
 
 
 # ---------------------------------------------------------------------------------------------------------------

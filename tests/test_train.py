@@ -3,7 +3,6 @@ and learning on the embedded task."""
 
 import copy
 import glob
-import importlib.util
 import json
 import os
 import re
@@ -17,6 +16,7 @@ import torch
 
 import rollout
 import train
+from conftest import requires_vllm
 from rloo import rloo_advantages, sequence_kl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,12 +94,28 @@ def test_embedded_preset_applies_only_without_model_and_flags_win():
     (["--chat_template_kwargs", "{bad"], "chat_template_kwargs is not valid JSON"),
     (["--model", "/no/such/model", "--dataset", "tests/data/math.jsonl", "--reward_funcs", "accuracy_reward"],
      "cannot load model '/no/such/model'"),
-    (["--dataset", "/no/such/data.jsonl"], "cannot load dataset '/no/such/data.jsonl'"),
+    (["--dataset", "/no/such/data.jsonl"], "dataset file '/no/such/data.jsonl' does not exist"),
+    (["--dataset", "./no_such_file.jsonl"], "dataset file './no_such_file.jsonl' does not exist"),
 ])
 def test_bad_config_fails_at_startup_with_one_clear_line(args, message):
     out = run(args)
     assert out.returncode != 0
     assert message in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+def test_conversations_with_a_tokenizer_without_chat_template_fail_at_startup(tiny_model_dir, tmp_path):
+    data = tmp_path / "chat.jsonl"
+    data.write_text('{"prompt": [{"role": "user", "content": "12="}], "target": "12"}\n' * 8)
+    out = run(["--model", str(tiny_model_dir), "--dataset", str(data), "--reward_funcs", "task_reward"])
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "prompts are conversations but" in out.stderr and "has no chat template" in out.stderr
+
+
+def test_process_group_has_a_cpu_backend_beside_nccl():
+    """--cpu_offload keeps gradients on the CPU: clipping their norm is a collective on CPU tensors, which NCCL alone
+    cannot run ("No backend type associated with device type cpu")."""
+    assert train.process_group_backend(torch.device("cuda", 0)) == "cuda:nccl,cpu:gloo"
+    assert train.process_group_backend(torch.device("cpu")) == "gloo"
 
 
 def test_dataset_without_prompt_column_or_rows_fails_at_startup(tiny_model_dir, tmp_path):
@@ -148,13 +164,13 @@ def test_mask_truncated_completions_drops_their_tokens_but_keeps_their_reward_in
     no_kl = autocast = torch.autocast("cpu", enabled=False)
     for masked in (False, True):
         cfg.mask_truncated_completions, cfg.beta = masked, 0.0
-        out = train.score(cfg, batch, rows, texts, [constant_reward(R)], torch.ones(1), None, no_kl, 0, 1)
+        out = train.score(cfg, batch, rows, texts, [constant_reward(R)], torch.ones(1), model, None, no_kl, 0, 1)
         assert out["loss_mask"][1].sum().item() == (0 if masked else 4)
         assert out["loss_mask"][3].sum().item() == 4
         # the truncated completion's reward still enters its sibling's baseline: A = +-(1 - 3)
         assert out["advantages"].tolist() == [-2.0, 2.0, -2.0, 2.0]
         cfg.beta = 0.5
-        out = train.score(cfg, batch, rows, texts, [constant_reward(R)], torch.ones(1), ref, autocast, 0, 1)
+        out = train.score(cfg, batch, rows, texts, [constant_reward(R)], torch.ones(1), model, ref, autocast, 0, 1)
         if masked:
             assert out["kl_sums"][1].item() == 0.0  # no KL for a masked completion
         assert out["kl_sums"][0].item() != 0.0
@@ -173,7 +189,8 @@ def test_kl_from_sampler_logps_equals_two_pass_computation():
     autocast = torch.autocast("cpu", enabled=False)
     texts = tokenizer.batch_decode(batch["completion_lists"], skip_special_tokens=True)
     rows = {"prompt": ["12=", "345=", "6789="], "target": ["21", "543", "9876"]}
-    ours = train.score(cfg, batch, rows, texts, [train.rewards_lib.task_reward], torch.ones(1), ref, autocast, 0, 1)
+    ours = train.score(cfg, batch, rows, texts, [train.rewards_lib.task_reward], torch.ones(1), model, ref,
+                       autocast, 0, 1)
     with torch.no_grad():  # the plain two-pass way: score the policy and the reference on the finished batch
         old, _, T = train.forward_logps(model, batch, slice(None), cfg.temperature, autocast)
         ref_logps, _, _ = train.forward_logps(ref, batch, slice(None), cfg.temperature, autocast)
@@ -182,6 +199,33 @@ def test_kl_from_sampler_logps_equals_two_pass_computation():
     torch.testing.assert_close(ours["kl_sums"], kl, atol=1e-4, rtol=1e-4)
     R = ours["rewards_per_func"][:, 0]
     torch.testing.assert_close(ours["advantages"], rloo_advantages(R - cfg.beta * kl, 4), atol=1e-4, rtol=1e-4)
+
+
+def test_frac_reward_zero_std_ignores_unscorable_members():
+    nan = float("nan")
+    shaped = torch.tensor([1.0, 1.0, nan, nan,   # scored members agree: no signal
+                           1.0, 0.0, nan, nan,   # they differ (a None is not a 0)
+                           nan, nan, nan, 2.0,   # fewer than two scored: no std, not "zero std"
+                           2.0, 2.0, 2.0, 2.0])  # all agree
+    ones = torch.ones(16)
+    m = train.generation_metrics(shaped[:, None], ["r"], torch.ones(1), shaped, ones, ones * 0, None, None, 4)
+    assert m["frac_reward_zero_std"] == 0.5
+
+
+def test_num_tokens_is_the_running_total_counted_once_per_generated_batch(tmp_path):
+    """4 steps with num_iterations=2 train on 2 generated batches: num_tokens counts each batch's prompt (5 tokens)
+    and completion tokens once, and is the same whatever the logging window."""
+    logged = {}
+    for every in (1, 2):
+        out = run(FAST[:1] + ["4"] + FAST[2:] + ["--num_iterations", "2", "--logging_steps", str(every),
+                                                 "--output_dir", str(tmp_path / str(every))])
+        assert out.returncode == 0, out.stderr[-2000:]
+        logged[every] = read_metrics(tmp_path / str(every))
+    by_step = {m["step"]: m for m in logged[1]}
+    per_batch = [16 * 5 + 16 * by_step[s]["completions/mean_length"] for s in (1, 3)]  # generated at steps 1 and 3
+    assert [by_step[s]["num_tokens"] for s in (1, 2, 3, 4)] == pytest.approx(
+        [per_batch[0], per_batch[0], sum(per_batch), sum(per_batch)])
+    assert logged[2][-1]["num_tokens"] == by_step[4]["num_tokens"]
 
 
 def test_gradient_accumulation_equals_one_big_batch():
@@ -565,7 +609,7 @@ def test_launch_script_vllm_server_layouts_dry_run():
                                     "--vllm_server_host", "n2", "--vllm_server_port", "8000"]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
+@requires_vllm
 def test_launch_script_starts_a_vllm_server_and_trains_against_it(tmp_path, chat_model_dir):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "NPROC_PER_NODE": "1", "VLLM_SERVER_MODEL": str(chat_model_dir),
            "VLLM_SERVER_PORT": "18731", "VLLM_SERVER_ARGS": "--dtype float32 --kv-cache-memory-bytes 268435456 "

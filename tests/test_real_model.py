@@ -1,0 +1,160 @@
+"""The path users run: a pretrained checkpoint loaded from a directory (SmolLM2-135M-Instruct, a Llama with
+grouped-query attention, tied embeddings, a 49k vocabulary and a chat template; fixture `smollm2_dir`). What loading changes that a
+model built in a test does not: eval mode, dropout rates in the config, the tokenizer's special tokens, the
+precision the sampler runs in. Each run uses the fewest steps and tokens that show its point."""
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import rollout
+import train
+from conftest import requires_vllm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ADDITION = os.path.join(ROOT, "tests", "data", "addition.jsonl")  # "What is a + b? Reply with only the number."
+FILTERS = ["--temperature", "0.7", "--top_p", "0.9", "--top_k", "20", "--repetition_penalty", "1.1"]
+
+
+def real_cfg(model_dir, *flags):
+    return train.parse_config(["--model", str(model_dir), "--dataset", "unused", "--reward_funcs", "last_number_reward",
+                               *flags])
+
+
+def train_run(tmp_path, model_dir, *flags, steps=1):
+    """train.py on the real model and the addition questions for `steps` steps of 8 completions; -> the metrics."""
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "train.py"), "--model", str(model_dir), "--dataset",
+         ADDITION, "--reward_funcs", "last_number_reward", "--num_generations", "4",
+         "--per_device_train_batch_size", "8", "--max_completion_length", "8", "--max_steps", str(steps),
+         "--logging_steps", "1", "--learning_rate", "1e-9", "--output_dir", str(tmp_path / "run"), *flags],
+        capture_output=True, text=True, cwd=ROOT, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert out.returncode == 0, out.stderr[-4000:]
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_loaded_model_trains_in_train_mode_with_checkpointing_active(smollm2_dir):
+    """from_pretrained hands over an eval-mode model, and Hugging Face layers checkpoint only in train mode: with
+    --gradient_checkpointing the layers must run again in backward (recomputation), and only then."""
+    model, _ = train.load_model(smollm2_dir)
+    assert not model.training
+    ids = torch.tensor([[1, 2200, 314, 253, 1345, 30, 2]])
+    runs = {}
+    for checkpointing in (True, False):
+        m = train.prepare_model(AutoModelForCausalLM.from_pretrained(smollm2_dir) if not checkpointing else model,
+                                real_cfg(smollm2_dir, "--gradient_checkpointing", str(checkpointing)), 1, True)
+        assert m.training
+        calls, mlp = [], m.model.layers[0].mlp
+        forward = mlp.forward  # counted by wrapping: module hooks do not fire again when checkpointing recomputes
+        mlp.forward = lambda *args, **kwargs: (calls.append(1), forward(*args, **kwargs))[1]
+        logits = m(input_ids=ids, use_cache=False).logits
+        logits.float().logsumexp(-1).sum().backward()
+        runs[checkpointing] = (len(calls), logits.detach())
+    assert runs[True][0] == 2 and runs[False][0] == 1  # forward + recomputation in backward; forward only
+    torch.testing.assert_close(runs[True][1], runs[False][1], atol=0, rtol=0)  # the same function
+
+
+def test_dropout_from_the_config_is_off_in_training(smollm2_dir):
+    """Attention modules copy config.attention_dropout when they are built: zeroing the config afterwards is not
+    enough. Two training-mode forwards of the same batch must give the same log-probs."""
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, attention_dropout=0.3)
+    assert model.model.layers[0].self_attn.attention_dropout == 0.3
+    model = train.prepare_model(model, real_cfg(smollm2_dir, "--gradient_checkpointing", "false"), 1, True)
+    model.train()
+    ids = torch.tensor([[1, 2200, 314, 253, 1345, 30, 2, 216, 33, 34]])
+    with torch.no_grad():
+        first, second = (model(input_ids=ids).logits.log_softmax(-1) for _ in range(2))
+    assert torch.equal(first, second)
+
+
+def test_bf16_first_step_old_log_probs_equal_the_reference(smollm2_dir):
+    """--bf16 in one process: sampling runs in bf16 too, and at the first step (policy == reference) the KL's old
+    log-probs equal the reference's (bf16 kernels of another shape differ by ~0.04 nats/token: the sampler's own are
+    not used as old log-probs in bf16)."""
+    cfg = real_cfg(smollm2_dir, "--bf16", "true", "--num_generations", "2", "--per_device_train_batch_size", "4",
+                   "--max_completion_length", "8", *FILTERS)
+    model, tokenizer = train.load_model(smollm2_dir)
+    ref = train.prepare_model(train.load_model(smollm2_dir)[0], cfg, 1, trainable=False)
+    model = train.prepare_model(model, cfg, 1, trainable=True)
+    autocast = train.bf16_autocast(cfg, torch.device("cpu"), 1)
+    rows = {"prompt": [[{"role": "user", "content": "What is 2 + 3?"}], "The capital of France is"],
+            "solution": ["5", "no number"]}
+    dtypes = []
+    hook = model.model.layers[0].mlp.register_forward_hook(lambda m, i, out: dtypes.append(out.dtype))
+    torch.manual_seed(0)
+    with autocast:
+        batch = rollout.generate(model, tokenizer, rows["prompt"], cfg, torch.device("cpu"))
+    hook.remove()
+    assert set(dtypes) == {torch.bfloat16}  # the sampler ran in bf16
+    texts = tokenizer.batch_decode(batch["completion_lists"], skip_special_tokens=True)
+    scored = train.score(cfg, batch, rows, texts, [train.rewards_lib.last_number_reward], torch.ones(1), model, ref,
+                         autocast, 0, 1)
+    mask = scored["loss_mask"]
+    difference = ((scored["old_logps"] - scored["ref_logps"]).abs() * mask).sum() / mask.sum()
+    assert difference <= 1e-3
+    sampler = ((batch["sampler_logps"] - scored["ref_logps"]).abs() * mask).sum() / mask.sum()
+    assert sampler > 1e-3  # what old log-probs from the bf16 sampler would have given (why they are not used)
+
+
+def test_decode_loop_with_penalty_and_filters_records_the_trainers_log_probs(tmp_path, smollm2_dir):
+    """fp32, T = 0.7, top-p, top-k, repetition penalty: the sampler's log-probs are log softmax(logits / T) of the
+    unfiltered distribution, the trainer's, so at the first step the drift and the KL are ~0."""
+    [metrics] = train_run(tmp_path, smollm2_dir, "--bf16", "false", *FILTERS)
+    assert metrics["sampling/sampling_logp_difference/mean"] <= 1e-4
+    assert abs(metrics["kl"]) <= 1e-4
+
+
+def test_string_prompts_get_the_tokenizers_bos_and_conversations_only_the_templates(smollm2_dir):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    question = "What is 2 + 3?"
+    conversation = [{"role": "user", "content": question}]
+    plain, chat = rollout.tokenize_prompts(tokenizer, [question, conversation])
+    assert plain == tokenizer(question, add_special_tokens=False).input_ids  # SmolLM2 adds no BOS: none here
+    templated = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+    assert chat == list(templated["input_ids"] if hasattr(templated, "keys") else templated)  # TRL's ids
+    tokenizer.bos_token, tokenizer.add_bos_token = "<|endoftext|>", True  # as Llama's, Gemma's, Mistral's do
+    tokenizer.chat_template = "{{ bos_token }}" + tokenizer.chat_template  # ... and their templates write it
+    bos = tokenizer.bos_token_id
+    plain, chat = rollout.tokenize_prompts(tokenizer, [question, conversation])
+    assert plain[0] == bos and plain[1:] == tokenizer(question, add_special_tokens=False).input_ids
+    assert chat[0] == bos and chat.count(bos) == 1  # the template's BOS, and not a second one
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir)
+    cfg = real_cfg(smollm2_dir, "--num_generations", "2", "--max_completion_length", "1")
+    batch = rollout.generate(model, tokenizer, [question, "Hi"], cfg, torch.device("cpu"))
+    first_real = batch["prompt_ids"].gather(1, batch["prompt_mask"].argmax(1, keepdim=True))  # after left padding
+    assert first_real.flatten().tolist() == [bos] * 4
+
+
+VLLM = ["--use_vllm", "--bf16", "false", "--vllm_kv_cache_memory_bytes", str(512 * 2**20)]  # 8,192 positions fit
+
+
+@requires_vllm
+def test_colocated_vllm_with_filters_gives_the_trainers_log_probs(tmp_path, smollm2_dir):
+    """T = 1 with penalty and filters: a colocated engine reports raw log-probs, log softmax(logits) before them,
+    which is log pi_T at T = 1; at T = 0.7 no vLLM mode is, so the trainer computes them: KL ~0 either way."""
+    [at_t1] = train_run(tmp_path / "t1", smollm2_dir, *VLLM, *FILTERS[2:])
+    assert at_t1["sampling/sampling_logp_difference/mean"] <= 1e-4 and abs(at_t1["kl"]) <= 1e-4
+    [at_t07] = train_run(tmp_path / "t07", smollm2_dir, *VLLM, *FILTERS)
+    assert "sampling/sampling_logp_difference/mean" not in at_t07  # vLLM reported nothing it could not
+    assert abs(at_t07["kl"]) <= 1e-4  # was 0.62 per token with vLLM's filtered log-probs
+
+
+@requires_vllm
+def test_vllm_server_with_filters_gives_the_trainers_log_probs(tmp_path, smollm2_dir):
+    from test_rollout import free_port, start_server
+
+    port = free_port()
+    server = start_server(smollm2_dir, port, extra=["--kv-cache-memory-bytes", str(512 * 2**20)])
+    try:
+        rollout.wait_for_server(f"http://127.0.0.1:{port}", timeout=400)
+        [metrics] = train_run(tmp_path, smollm2_dir, *VLLM, "--vllm_mode", "server", "--vllm_server_port", str(port),
+                              *FILTERS)
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=60)
+    assert "sampling/sampling_logp_difference/mean" not in metrics and abs(metrics["kl"]) <= 1e-4
