@@ -1,6 +1,6 @@
 """Reward functions: the calling convention, loading by name, validation, and the built-in rewards.
 
-Interface (same as TRL's GRPOTrainer/RLOOTrainer, SPEC §5): a reward function is called as
+Interface (same as TRL's GRPOTrainer/RLOOTrainer; README 'Writing a reward function'): a reward function is called as
     f(prompts=[...], completions=[...], completion_ids=[...], **dataset_columns, **extra)
 with one entry per completion (each prompt repeated G times) and returns a list of float | None of the same
 length. None means "does not apply to this completion". `async def` functions run concurrently.
@@ -17,6 +17,8 @@ import re
 import threading
 
 import torch
+
+from rollout import is_conversational
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -222,3 +224,20 @@ def compute_rewards(funcs, prompts, completions, completion_ids, columns, **extr
         outputs.update(zip(async_ids, asyncio.run(gather())))
     columns_out = [_validate(names[k], outputs[k], len(completions)) for k in range(len(funcs))]
     return torch.tensor(columns_out, dtype=torch.float32).T.reshape(len(completions), len(funcs))  # [B, K]
+
+
+def call_rewards(funcs, rows, batch, G, step):
+    """Reward functions on the B = P*G completions of a generated batch: each prompt and dataset column repeated G
+    times; conversational prompts get [{"role": "assistant", "content": text}] completions. -> [B, K], NaN = None."""
+    prompts = [p for p in rows["prompt"] for _ in range(G)]
+    completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
+                   for p, t in zip(prompts, batch["texts"])]
+    columns = {c: [v for v in values for _ in range(G)] for c, values in rows.items() if c != "prompt"}
+    return compute_rewards(funcs, prompts, completions, batch["completion_lists"], columns,
+                           step=step).to(batch["completion_mask"].device)
+
+
+def reward_weights(cfg, funcs):
+    """w_k of R = sum_k w_k R_k: --reward_weights, or 1.0 each.  [K]"""
+    return torch.tensor(cfg.reward_weights or [1.0] * len(funcs))
+

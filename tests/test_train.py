@@ -14,6 +14,10 @@ import time
 import pytest
 import torch
 
+import checkpoint
+import data
+import distributed
+import metrics
 import rollout
 import train
 from conftest import requires_vllm
@@ -45,7 +49,7 @@ def read_metrics(output_dir):
 def tiny_model_dir(tmp_path_factory):
     """The embedded model and tokenizer saved in Hugging Face format: stands in for a Hub model, loaded by path."""
     path = tmp_path_factory.mktemp("tiny_model")
-    model, tokenizer, dataset = train.embedded_task(seed=0)
+    model, tokenizer, dataset = data.embedded_task(seed=0)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     dataset.select(range(64)).to_json(path / "data.jsonl")
@@ -114,8 +118,8 @@ def test_conversations_with_a_tokenizer_without_chat_template_fail_at_startup(ti
 def test_process_group_has_a_cpu_backend_beside_nccl():
     """--cpu_offload keeps gradients on the CPU: clipping their norm is a collective on CPU tensors, which NCCL alone
     cannot run ("No backend type associated with device type cpu")."""
-    assert train.process_group_backend(torch.device("cuda", 0)) == "cuda:nccl,cpu:gloo"
-    assert train.process_group_backend(torch.device("cpu")) == "gloo"
+    assert distributed.process_group_backend(torch.device("cuda", 0)) == "cuda:nccl,cpu:gloo"
+    assert distributed.process_group_backend(torch.device("cpu")) == "gloo"
 
 
 def test_dataset_without_prompt_column_or_rows_fails_at_startup(tiny_model_dir, tmp_path):
@@ -141,7 +145,7 @@ def hand_built_batch(model, tokenizer):
     batch["completion_ids"], batch["completion_mask"], batch["truncated"] = rollout.completion_masks(ids, [eos], pad)
     batch["completion_lists"] = [row[:int(n)] for row, n in zip(ids.tolist(), batch["completion_mask"].sum(-1))]
     with torch.no_grad():
-        logps, _, _ = train.forward_logps(model, batch, slice(None), 1.0, torch.autocast("cpu", enabled=False))
+        logps, _, _ = rollout.forward_logps(model, batch, slice(None), 1.0, torch.autocast("cpu", enabled=False))
     batch["sampler_logps"] = logps * batch["completion_mask"]
     return cfg, batch
 
@@ -153,24 +157,23 @@ def constant_reward(values):
 
 
 def test_mask_truncated_completions_drops_their_tokens_but_keeps_their_reward_in_baselines():
-    model, tokenizer, _ = train.embedded_task(seed=0)
+    model, tokenizer, _ = data.embedded_task(seed=0)
     cfg, batch = hand_built_batch(model, tokenizer)
     ref = copy.deepcopy(model)
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    texts, rows = ["a", "b", "c", "d"], {"prompt": ["12=", "345="]}
+    batch["texts"], rows = ["a", "b", "c", "d"], {"prompt": ["12=", "345="]}
     R = [1.0, 3.0, 0.0, 2.0]
-    no_kl = autocast = torch.autocast("cpu", enabled=False)
     for masked in (False, True):
         cfg.mask_truncated_completions, cfg.beta = masked, 0.0
-        out = train.score(cfg, batch, rows, texts, [constant_reward(R)], torch.ones(1), model, None, no_kl, 0, 1)
+        out = train.score(cfg, batch, rows, [constant_reward(R)], model, None, 0)
         assert out["loss_mask"][1].sum().item() == (0 if masked else 4)
         assert out["loss_mask"][3].sum().item() == 4
         # the truncated completion's reward still enters its sibling's baseline: A = +-(1 - 3)
         assert out["advantages"].tolist() == [-2.0, 2.0, -2.0, 2.0]
         cfg.beta = 0.5
-        out = train.score(cfg, batch, rows, texts, [constant_reward(R)], torch.ones(1), model, ref, autocast, 0, 1)
+        out = train.score(cfg, batch, rows, [constant_reward(R)], model, ref, 0)
         if masked:
             assert out["kl_sums"][1].item() == 0.0  # no KL for a masked completion
         assert out["kl_sums"][0].item() != 0.0
@@ -178,7 +181,7 @@ def test_mask_truncated_completions_drops_their_tokens_but_keeps_their_reward_in
 
 def test_kl_from_sampler_logps_equals_two_pass_computation():
     """SPEC §2: advantages computed with the sampler's log-probs equal those of TRL's separate scoring pass."""
-    model, tokenizer, _ = train.embedded_task(seed=0)
+    model, tokenizer, _ = data.embedded_task(seed=0)
     ref = copy.deepcopy(model)
     with torch.no_grad():
         for p in ref.parameters():
@@ -187,13 +190,12 @@ def test_kl_from_sampler_logps_equals_two_pass_computation():
     torch.manual_seed(0)
     batch = rollout.generate(model, tokenizer, ["12=", "345=", "6789="], cfg, torch.device("cpu"))
     autocast = torch.autocast("cpu", enabled=False)
-    texts = tokenizer.batch_decode(batch["completion_lists"], skip_special_tokens=True)
+    batch["texts"] = tokenizer.batch_decode(batch["completion_lists"], skip_special_tokens=True)
     rows = {"prompt": ["12=", "345=", "6789="], "target": ["21", "543", "9876"]}
-    ours = train.score(cfg, batch, rows, texts, [train.rewards_lib.task_reward], torch.ones(1), model, ref,
-                       autocast, 0, 1)
+    ours = train.score(cfg, batch, rows, [train.rewards_lib.task_reward], model, ref, 0)
     with torch.no_grad():  # the plain two-pass way: score the policy and the reference on the finished batch
-        old, _, T = train.forward_logps(model, batch, slice(None), cfg.temperature, autocast)
-        ref_logps, _, _ = train.forward_logps(ref, batch, slice(None), cfg.temperature, autocast)
+        old, _, T = rollout.forward_logps(model, batch, slice(None), cfg.temperature, autocast)
+        ref_logps, _, _ = rollout.forward_logps(ref, batch, slice(None), cfg.temperature, autocast)
     kl = sequence_kl(old, ref_logps, batch["completion_mask"][:, :T])
     assert kl.abs().max() > 0.01  # the reference really differs
     torch.testing.assert_close(ours["kl_sums"], kl, atol=1e-4, rtol=1e-4)
@@ -208,7 +210,8 @@ def test_frac_reward_zero_std_ignores_unscorable_members():
                            nan, nan, nan, 2.0,   # fewer than two scored: no std, not "zero std"
                            2.0, 2.0, 2.0, 2.0])  # all agree
     ones = torch.ones(16)
-    m = train.generation_metrics(shaped[:, None], ["r"], torch.ones(1), shaped, ones, ones * 0, None, None, 4)
+    m = metrics.generation_metrics({"rewards_per_func": shaped[:, None], "rewards": shaped, "lengths": ones,
+                                    "truncated": ones * 0}, ["r"], torch.ones(1), 4)
     assert m["frac_reward_zero_std"] == 0.5
 
 
@@ -230,7 +233,7 @@ def test_num_tokens_is_the_running_total_counted_once_per_generated_batch(tmp_pa
 
 def test_gradient_accumulation_equals_one_big_batch():
     """2 micro-steps of 4 sequences give the same update as 1 step of 8: the loss is a mean over the step."""
-    model, tokenizer, _ = train.embedded_task(seed=0)
+    model, tokenizer, _ = data.embedded_task(seed=0)
     cfg = cfg_for(num_generations=4, max_completion_length=6, beta=0.0)
     torch.manual_seed(0)
     batch = rollout.generate(model, tokenizer, ["12=", "345="], cfg, torch.device("cpu"))
@@ -242,19 +245,19 @@ def test_gradient_accumulation_equals_one_big_batch():
         cfg.per_device_train_batch_size = micro
         opt = torch.optim.SGD(m.parameters(), lr=1.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        _, stats, grad_norm, _ = train.policy_step(cfg, m, opt, sched, batch, loss_mask, advantages, None,
-                                                torch.autocast("cpu", enabled=False), num_sequences=8)
-        updated.append((torch.cat([p.detach().flatten() for p in m.parameters()]), stats[0], grad_norm))
+        _, stats, grad_norm, _ = train.policy_step(cfg, m, opt, sched, batch,
+                                                   {"loss_mask": loss_mask, "advantages": advantages})
+        updated.append((torch.cat([p.detach().flatten() for p in m.parameters()]), stats["loss"], grad_norm))
     torch.testing.assert_close(updated[0][0], updated[1][0], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(updated[0][1], updated[1][1], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(updated[0][2], updated[1][2], atol=1e-6, rtol=1e-5)
 
 
 def test_prompt_indices_are_disjoint_across_ranks_and_cover_an_epoch():
-    rows = [train.prompt_indices(s, 24, 3, r, 2, seed=1, shuffle=True) for s in range(4) for r in range(2)]
+    rows = [data.prompt_indices(s, 24, 3, seed=1, shuffle=True, shard=(r, 2)) for s in range(4) for r in range(2)]
     flat = [i for r in rows for i in r]
     assert sorted(flat) == list(range(24))  # 4 steps x 2 ranks x 3 prompts: one epoch, no repeats
-    assert train.prompt_indices(4, 24, 3, 0, 2, 1, True) != rows[0]  # next epoch reshuffles
+    assert data.prompt_indices(4, 24, 3, 1, True, shard=(0, 2)) != rows[0]  # next epoch reshuffles
 
 
 # ------------------------------------------------------------------------------------------------ end to end
@@ -381,7 +384,7 @@ def test_two_process_fsdp_step_equals_one_process_step(tmp_path, flags, tol):
 
 
 def test_gradient_checkpointing_and_bf16_autocast_change_memory_not_math():
-    model, tokenizer, _ = train.embedded_task(seed=0)
+    model, tokenizer, _ = data.embedded_task(seed=0)
     cfg = cfg_for(num_generations=4, max_completion_length=6)
     torch.manual_seed(0)
     batch = rollout.generate(model, tokenizer, ["12=", "345="], cfg, torch.device("cpu"))
@@ -391,7 +394,7 @@ def test_gradient_checkpointing_and_bf16_autocast_change_memory_not_math():
         if checkpointing:
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         m.train()
-        lp, _, _ = train.forward_logps(m, batch, slice(None), 1.0, torch.autocast("cpu", torch.bfloat16, enabled=bf16))
+        lp, _, _ = rollout.forward_logps(m, batch, slice(None), 1.0, torch.autocast("cpu", torch.bfloat16, enabled=bf16))
         (lp * batch["completion_mask"]).sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in m.parameters()]))
         logps.append(lp.detach())
@@ -443,15 +446,15 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr[-3000:]
     assert "SIGTERM: saved checkpoint-" in stdout
-    (checkpoint,) = train.checkpoint_dirs(str(tmp_path))
-    assert json.load(open(os.path.join(checkpoint, "trainer_state.json")))["step"] >= 3
+    (saved,) = checkpoint.checkpoint_dirs(str(tmp_path))
+    assert json.load(open(os.path.join(saved, "trainer_state.json")))["step"] >= 3
 
 
 def test_save_total_limit_export_and_guards(tmp_path, tiny_model_dir):
     out = run(FAST + ["--max_steps", "6", "--save_steps", "2", "--save_total_limit", "2", "--output_dir",
                       str(tmp_path)])
     assert out.returncode == 0, out.stderr[-3000:]
-    assert [os.path.basename(p) for p in train.checkpoint_dirs(str(tmp_path))] == ["checkpoint-4", "checkpoint-6"]
+    assert [os.path.basename(p) for p in checkpoint.checkpoint_dirs(str(tmp_path))] == ["checkpoint-4", "checkpoint-6"]
     # export: the last checkpoint as a Hugging Face directory equals the final saved model
     exported = run(["export", str(tmp_path / "checkpoint-6"), str(tmp_path / "exported")])
     assert exported.returncode == 0, exported.stderr[-3000:]
@@ -481,7 +484,7 @@ def test_nonfinite_gradients_are_skipped_then_stop_the_run(tmp_path):
     metrics = read_metrics(tmp_path / "run")
     assert [m["nonfinite_skipped"] for m in metrics] == [1.0, 1.0]
     # the weights were never updated: the checkpoint after the skipped step equals the initial model
-    state = {"model": train.embedded_task(seed=42)[0].state_dict()}
+    state = {"model": data.embedded_task(seed=42)[0].state_dict()}
     initial = {k: v.clone() for k, v in state["model"].items()}
     import torch.distributed.checkpoint as dcp
     dcp.load(state, checkpoint_id=str(tmp_path / "run" / "checkpoint-1"))
@@ -524,13 +527,13 @@ def test_every_dataset_format_loads_with_its_columns(tmp_path):
     paths, disk, dict_dir = write_formats(tmp_path)
     for path in [*paths.values(), disk, dict_dir]:
         cfg = cfg_for(dataset=str(path))
-        ds = train.load_data(cfg, "train")
+        ds = data.load_data(cfg, "train")
         assert len(ds) == 8 and ds[3]["prompt"] == "33=" and str(ds[3]["target"]) in ("33", "33.0")
-    assert len(train.load_data(cfg_for(dataset=str(dict_dir)), "test")) == 4
-    stream = train.load_data(cfg_for(dataset=str(paths["jsonl"]), streaming=True), "train")
+    assert len(data.load_data(cfg_for(dataset=str(dict_dir)), "test")) == 4
+    stream = data.load_data(cfg_for(dataset=str(paths["jsonl"]), streaming=True), "train")
     assert [r["prompt"] for r in stream][:2] == ["00=", "11="]
     with pytest.raises(SystemExit, match="cannot load dataset"):
-        train.load_data(cfg_for(dataset=str(dict_dir)), "validation")
+        data.load_data(cfg_for(dataset=str(dict_dir)), "validation")
 
 
 def test_hub_dataset_name_goes_through_load_dataset(tmp_path):
@@ -592,7 +595,7 @@ def test_reward_function_crash_names_it_and_keeps_the_last_checkpoint(tmp_path):
     assert out.returncode != 0
     assert "reward function 'flaky_reward' raised ZeroDivisionError: bad batch" in out.stderr
     assert 'flaky.py", line 3' in out.stderr  # the original traceback is shown
-    assert [os.path.basename(p) for p in train.checkpoint_dirs(str(tmp_path / "run"))] == ["checkpoint-2"]
+    assert [os.path.basename(p) for p in checkpoint.checkpoint_dirs(str(tmp_path / "run"))] == ["checkpoint-2"]
 
 
 def test_launch_script_vllm_server_layouts_dry_run():

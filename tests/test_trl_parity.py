@@ -20,7 +20,7 @@ explained by its measured gradient difference through that derivative; (5b) our 
 fed TRL's exact gradients must land on TRL's weights to float rounding.
 
 Weight decay: the HF Trainer exempts biases and norm weights (Trainer.get_decay_parameter_names), and so does
-train.make_optimizer; test_weight_decay_skips_bias_and_norm_weights_as_trl_does checks the step with decay on.
+models.make_optimizer; test_weight_decay_skips_bias_and_norm_weights_as_trl_does checks the step with decay on.
 """
 
 import copy
@@ -31,6 +31,7 @@ import torch
 trl = pytest.importorskip("trl")
 pytest.importorskip("accelerate")
 
+import models  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
 
@@ -122,24 +123,23 @@ def run_ours(policy, ref, tokenizer, completions, opts, monkeypatch, inject=None
     assert batch["completion_lists"] == completions
     autocast = torch.autocast("cpu", enabled=False)
     with torch.no_grad():  # the sampler's log-probs: at the first step, the policy's own (no-grad forward)
-        logps, _, T_used = train.forward_logps(model, batch, slice(None), cfg.temperature, autocast)
+        logps, _, T_used = rollout.forward_logps(model, batch, slice(None), cfg.temperature, autocast)
     assert T_used == T
     batch["sampler_logps"] = logps * batch["completion_mask"]
-    texts = tokenizer.batch_decode(batch["completion_lists"], skip_special_tokens=True)
-    out = train.score(cfg, batch, {"prompt": PROMPTS}, texts, [make_reward(opts["unscorable"])], torch.ones(1),
-                      model=model, ref_model=ref, autocast=autocast, step=0, world_size=1)
+    batch["texts"] = tokenizer.batch_decode(batch["completion_lists"], skip_special_tokens=True)
+    out = train.score(cfg, batch, {"prompt": PROMPTS}, [make_reward(opts["unscorable"])], model=model, ref_model=ref,
+                      step=0)
 
-    optimizer = train.make_optimizer(model, cfg)
+    optimizer = models.make_optimizer(model, cfg)
     scheduler = train.get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=1)
     grads = patch_clipping(monkeypatch, inject)
-    _, stats, grad_norm, _ = train.policy_step(cfg, model, optimizer, scheduler, batch, out["loss_mask"],
-                                               out["advantages"], None, autocast, num_sequences=B)
+    _, stats, grad_norm, _ = train.policy_step(cfg, model, optimizer, scheduler, batch, out)
     monkeypatch.undo()
     names = [n for n, _ in model.named_parameters()]
     return dict(prompt_ids=[ids[m == 1].tolist() for ids, m in zip(batch["prompt_ids"], batch["prompt_mask"])],
                 truncated=batch["truncated"], R=out["rewards_per_func"][:, 0], kl=out["kl_sums"],
                 rewards=out["rewards"], advantages=out["advantages"],
-                old_logps=(batch["sampler_logps"] * out["loss_mask"]).sum(-1), loss=stats[0], grad_norm=grad_norm,
+                old_logps=(batch["sampler_logps"] * out["loss_mask"]).sum(-1), loss=stats["loss"], grad_norm=grad_norm,
                 grads=dict(zip(names, grads[0])), params={n: p.detach().clone() for n, p in model.named_parameters()})
 
 

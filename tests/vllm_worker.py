@@ -11,21 +11,25 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import distributed  # noqa: E402
+import models  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
+import vllm_rollout  # noqa: E402
 
 out_path, flags = sys.argv[1], sys.argv[2:]
-rank, world_size, device = train.setup_distributed()
+device = distributed.setup_distributed()
+rank, world_size = distributed.rank(), distributed.world_size()
 cfg = train.parse_config(["--use_vllm", "--bf16", "false", "--num_generations", "4", "--per_device_train_batch_size",
                           "8", "--max_completion_length", "8", "--temperature", "0.9", "--dataset", "x",
                           "--reward_funcs", "think_format_reward", "--output_dir",
                           os.path.join(os.path.dirname(out_path), "vllm_run")] + flags)
-model, tokenizer = train.load_model(cfg.model)
+model, tokenizer = models.load_model(cfg.model)
 initial = copy.deepcopy(model).eval()  # the weights the engine loaded: a stale engine would still sample from these
 eos_ids = rollout.eos_token_ids(tokenizer, model)
-model = train.prepare_model(model, cfg, world_size, trainable=True)
-engine = train.start_generator(cfg, model, tokenizer, rank, world_size, device)
-tp_group = train.tensor_parallel_group(cfg, world_size)
+model = models.prepare_model(model, cfg, trainable=True)
+sample, push_weights, stop = vllm_rollout.connect(cfg, model, tokenizer, device)
+generate = vllm_rollout.vllm_generator(sample, cfg, tokenizer, None, eos_ids, device)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # large steps: the weights really move
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
 autocast = torch.autocast("cpu", enabled=False)
@@ -33,19 +37,19 @@ prompts = [["What is 2+2?", "Say hi."], ["Count: 1 2 3", "abc"]][rank % 2]
 greedy_cfg = train.parse_config(["--num_generations", "1", "--max_completion_length", "12", "--temperature", "0"])
 report = {"drift": []}
 for step in range(3):
-    train.push_weights(engine, model, cfg, rank == 0, world_size)
-    batch = rollout.generate_vllm(engine, tokenizer, prompts, cfg, device, eos_ids, tp_group)
+    push_weights()
+    batch = generate(prompts)
     with torch.no_grad():  # the log-probs vLLM returned vs the trainer's forward on the same (pushed) weights
-        logps, _, T = train.forward_logps(model, batch, slice(None), cfg.temperature, autocast)
-        initial_logps, _, _ = train.forward_logps(initial, batch, slice(None), cfg.temperature, autocast)
+        logps, _, T = rollout.forward_logps(model, batch, slice(None), cfg.temperature, autocast)
+        initial_logps, _, _ = rollout.forward_logps(initial, batch, slice(None), cfg.temperature, autocast)
     mask = batch["completion_mask"][:, :T]
     report["drift"].append(((batch["sampler_logps"][:, :T] - logps).abs() * mask).max().item())
     report["moved"] = ((batch["sampler_logps"][:, :T] - initial_logps).abs() * mask).max().item()
     advantages = torch.randn(len(batch["completion_lists"]))
-    train.policy_step(cfg, model, optimizer, scheduler, batch, mask.float(), advantages, None, autocast, 8)
+    train.policy_step(cfg, model, optimizer, scheduler, batch, {"loss_mask": mask.float(), "advantages": advantages})
 
-train.push_weights(engine, model, cfg, rank == 0, world_size)
-from_vllm = rollout.generate_vllm(engine, tokenizer, prompts, greedy_cfg, device, eos_ids, tp_group)["completion_lists"]
+push_weights()
+from_vllm = vllm_rollout.vllm_generator(sample, greedy_cfg, tokenizer, None, eos_ids, device)(prompts)["completion_lists"]
 enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
 model.eval()
 with torch.no_grad(), rollout.unsharded(model):
@@ -62,4 +66,5 @@ else:
 if rank == 0:
     with open(out_path, "w") as f:
         json.dump(reports, f)
-train.shutdown(engine, world_size)
+stop()
+distributed.shutdown()

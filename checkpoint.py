@@ -1,0 +1,162 @@
+"""Checkpoints: sharded save and exact resume (torch.distributed.checkpoint, written under a temporary name and
+renamed), SIGTERM as a request to checkpoint and stop, the final model in Hugging Face format, and
+`python train.py export CHECKPOINT [OUT_DIR]`.
+
+A checkpoint-N directory holds every rank's model and optimizer shards, rng_rank{r}.pt per rank, and
+trainer_state.json (step, num_tokens, the metric window, scheduler, model name, world size, vision), written last so
+that its presence marks a finished checkpoint. The data position follows from the step (data.prompt_indices).
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+
+import distributed
+from config import fail
+
+# DCP in a single process (no process group) is intended here; its warning says so on every save.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+def checkpoint_dirs(output_dir):
+    """Finished checkpoint-N directories, oldest first (trainer_state.json is written last, so it marks completion)."""
+    found = []
+    for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
+        match = re.fullmatch(r"checkpoint-(\d+)", name)
+        if match and os.path.exists(os.path.join(output_dir, name, "trainer_state.json")):
+            found.append((int(match.group(1)), os.path.join(output_dir, name)))
+    return [path for _, path in sorted(found)]
+
+
+def start(cfg, model, optimizer, scheduler):
+    """Where the run starts: the saved state with --resume_from_checkpoint (model, optimizer, scheduler and RNG
+    restored), else step 0, after removing another run's checkpoints under --overwrite_output_dir.
+    Returns {"step", "num_tokens", "window"} (window: the metrics logged since the last log line)."""
+    if cfg.resume_from_checkpoint:
+        return load_checkpoint(cfg, model, optimizer, scheduler)
+    if distributed.is_main() and cfg.overwrite_output_dir:
+        for old in checkpoint_dirs(cfg.output_dir):
+            shutil.rmtree(old)
+    return {"step": 0, "num_tokens": 0, "window": {}}
+
+
+def watch_sigterm(device):
+    """SIGTERM (SLURM's warning before a kill) sets a flag: the loop checkpoints and exits between generations."""
+    flag = torch.zeros(1, device=device)
+    signal.signal(signal.SIGTERM, lambda signum, frame: flag.fill_(1))
+    return flag
+
+
+def stop_requested(flag):
+    """Whether any rank got SIGTERM: every rank stops at the same step."""
+    if distributed.world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def save_due(cfg, step, saved_step, total_steps):
+    """Every save_steps optimizer steps (a μ-pass step may jump over a multiple) and at the end."""
+    return (cfg.save_steps > 0 and step // cfg.save_steps > saved_step // cfg.save_steps) or step >= total_steps
+
+
+def save_checkpoint(cfg, model, optimizer, scheduler, state, vision=False):
+    """Every rank writes its own shards (nobody gathers the model) into checkpoint-N.tmp; rank 0 renames it when all
+    are done, so a kill mid-save leaves the previous checkpoint intact. state: step, num_tokens, metric window."""
+    rank, world_size = distributed.rank(), distributed.world_size()
+    final = os.path.join(cfg.output_dir, f"checkpoint-{state['step']}")
+    tmp = final + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    distributed.barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
+    cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    torch.save({"cpu": torch.get_rng_state(), "cuda": cuda_rng}, os.path.join(tmp, f"rng_rank{rank}.pt"))
+    distributed.barrier()
+    if rank == 0:
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump({**state, "scheduler": scheduler.state_dict(), "model": cfg.model, "world_size": world_size,
+                       "vision": vision}, f)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        for old in checkpoint_dirs(cfg.output_dir)[:-cfg.save_total_limit] if cfg.save_total_limit else []:
+            shutil.rmtree(old)
+    distributed.barrier()
+
+
+def find_checkpoint(cfg):
+    """--resume_from_checkpoint PATH or 'latest' -> a finished checkpoint directory and its trainer_state.json."""
+    path = cfg.resume_from_checkpoint
+    if path == "latest":
+        found = checkpoint_dirs(cfg.output_dir)
+        if not found:
+            fail(f"--resume_from_checkpoint latest: no checkpoint in {cfg.output_dir!r}")
+        path = found[-1]
+    if not os.path.exists(os.path.join(path, "trainer_state.json")):
+        fail(f"--resume_from_checkpoint {path!r} is not a finished checkpoint directory (no trainer_state.json)")
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        state = json.load(f)
+    if state["model"] != cfg.model:
+        fail(f"checkpoint {path!r} was trained from model {state['model']!r}, not {cfg.model!r}")
+    return path, state
+
+
+def load_checkpoint(cfg, model, optimizer, scheduler):
+    """Restore model, optimizer, scheduler and this rank's RNG; returns the saved state (step, num_tokens, window)."""
+    rank, world_size = distributed.rank(), distributed.world_size()
+    path, state = find_checkpoint(cfg)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    full = {"model": model_state, "optimizer": optim_state}
+    try:
+        dcp.load(full, checkpoint_id=path)
+    except Exception as e:  # shapes or names differ: another architecture saved this
+        fail(f"checkpoint {path!r} does not fit this model: {str(e).splitlines()[0][:300]}")
+    set_state_dict(model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    rng_file = os.path.join(path, f"rng_rank{rank}.pt")
+    if state["world_size"] == world_size and os.path.exists(rng_file):
+        rng = torch.load(rng_file, weights_only=False)
+        torch.set_rng_state(rng["cpu"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    elif rank == 0:
+        print(f"rloo: checkpoint written by {state['world_size']} processes, resuming on {world_size}: weights and "
+              "optimizer are resharded, sampling RNG starts afresh")
+    if rank == 0:
+        print(f"rloo: resumed from {path} at step {state['step']}")
+    return state
+
+
+def save_hf(model, tokenizer, path):
+    """Final model in Hugging Face format (from_pretrained / vLLM load it). FSDP2 shards are gathered to rank 0 only."""
+    state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if distributed.is_main():
+        model.save_pretrained(path, state_dict=state_dict)
+        tokenizer.save_pretrained(path)
+
+
+def export_checkpoint(path, out_dir):
+    """`python train.py export CHECKPOINT [OUT_DIR]`: a sharded checkpoint -> a Hugging Face model directory."""
+    from data import embedded_task
+    from models import load_model
+
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        state = json.load(f)
+    name = state["model"]
+    model, tokenizer = load_model(name, state.get("vision", False)) if name is not None else embedded_task(0)[:2]
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=path)  # reads every rank's shards in one process
+    model.load_state_dict(state["model"])
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    print(f"rloo: exported {path} -> {out_dir}")

