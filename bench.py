@@ -75,12 +75,11 @@ def build_model(path, hidden_size, intermediate_size, num_hidden_layers, num_att
 
 
 def run_rloo(model_dir, data, reward, c, steps, extra):
-    """train.py on the benchmark config; per-step metrics come from its metrics.jsonl (logging_steps=1)."""
+    """train.py on the benchmark config; per-step numbers from its metrics.jsonl (logging_steps=1): the time/* phases
+    and step_time, the wall time between optimizer-step ends, as TRL is timed below."""
     import train
 
     out = tempfile.mkdtemp(prefix="rloo-bench-")
-    ends, advance = [], train.Logger.advance  # step_time = wall time between step ends, as for TRL below
-    train.Logger.advance = lambda self, reward: (ends.append(time.perf_counter()), advance(self, reward))
     train.main(["--model", model_dir, "--dataset", data or os.path.join(model_dir, "data.jsonl"), "--reward_funcs",
                 reward, "--num_generations", str(c["num_generations"]), "--per_device_train_batch_size",
                 str(c["batch"]), "--max_completion_length", str(c["max_completion_length"]), "--beta", "0.05",
@@ -90,17 +89,12 @@ def run_rloo(model_dir, data, reward, c, steps, extra):
     if int(os.environ.get("RANK", 0)) != 0:
         return None
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        steps = [json.loads(line) for line in f]
-    for row, start, end in zip(steps[1:], ends, ends[1:]):
-        row["step_time"] = end - start
-    return steps[1:]
+        return [json.loads(line) for line in f][1:]  # the first step also holds start-up
 
 
 def run_trl(model_dir, data, reward, c, steps):
-    """TRL's RLOOTrainer on the same work. Phases are timed by wrapping its methods on the instance: generation,
-    the two no-grad log-prob passes (old and reference), rewards, the loss forward+backward, the optimizer step."""
+    """TRL's RLOOTrainer on the same work, its phases timed by time_trl_phases."""
     from datasets import load_dataset
-    from transformers import TrainerCallback
     from trl import RLOOConfig, RLOOTrainer
 
     import rewards
@@ -117,6 +111,18 @@ def run_trl(model_dir, data, reward, c, steps):
     trainer = RLOOTrainer(model=model_dir, reward_funcs=task_reward, args=args,
                           train_dataset=load_dataset("json", data_files=data or os.path.join(model_dir, "data.jsonl"),
                                                      split="train"))
+    step_times = time_trl_phases(trainer)
+    trainer.train()
+    for row, logged in zip(step_times, [h for h in trainer.state.log_history if "reward" in h]):
+        row.update({k: logged[k] for k in ["reward", "completions/mean_length", "completions/max_length"]})
+    return step_times[1:]
+
+
+def time_trl_phases(trainer):
+    """Wrap TRL's methods on the instance: generation, the two no-grad log-prob passes (old and reference), rewards,
+    the loss forward+backward, the optimizer step; step_time between optimizer-step ends. -> the list it fills."""
+    from transformers import TrainerCallback
+
     step_times, current = [], {}
 
     def timed(name, fn, when=lambda: True):
@@ -136,8 +142,13 @@ def run_trl(model_dir, data, reward, c, steps):
     trainer.training_step = timed("training_step", trainer.training_step)
 
     class StepTimer(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            current["end"] = time.perf_counter()
+
         def on_step_begin(self, args, state, control, **kw):
+            previous_end = current["end"]  # the last optimizer-step end (or the start of training)
             current.clear()
+            current["end"] = previous_end
 
         def on_pre_optimizer_step(self, args, state, control, **kw):
             current["optimizer_start"] = time.perf_counter()
@@ -149,16 +160,12 @@ def run_trl(model_dir, data, reward, c, steps):
             # training_step = generation + no-grad passes + rewards + loss forward/backward
             row["time/forward_backward"] = current["training_step"] - sum(
                 row.get(k, 0.0) for k in ["time/generation", "time/reference", "time/rewards"])
-            row["step_time"] = now - (step_times[-1]["end"] if step_times else trainer_start)
-            row["end"] = now
+            row["step_time"] = now - current["end"]
+            current["end"] = now
             step_times.append(row)
 
     trainer.add_callback(StepTimer())
-    trainer_start = time.perf_counter()
-    trainer.train()
-    for row, logged in zip(step_times, [h for h in trainer.state.log_history if "reward" in h]):
-        row.update({k: logged[k] for k in ["reward", "completions/mean_length", "completions/max_length"]})
-    return step_times[1:]
+    return step_times
 
 
 def summarize(name, steps, num_completions):
