@@ -4,8 +4,8 @@ EOS masks, prompt tokenisation and images, forward_logps and batch_logps.
 
 Besides the tokens, generation records the sampler's own per-token log-probs of the temperature-scaled
 distribution, log softmax(logits / temperature)[o_t]. In fp32 they are the "old" log-probs of the KL penalty
-(paper §3: r = R - beta * KL), so the trainer needs no separate scoring pass before the update (README 'Where we differ
-from TRL'). vLLM generation and its weight push are in vllm_rollout.py; rewards in rewards.py.
+(paper §3: r = R - beta * KL), so the trainer needs no separate scoring pass before the update (README 'Where we
+differ from TRL, on purpose'). vLLM generation and its weight push are in vllm_rollout.py; rewards in rewards.py.
 """
 import io
 from contextlib import contextmanager

@@ -158,9 +158,9 @@ def score(cfg, batch, rows, reward_funcs, model, ref_model, step):
 
 def policy_step(cfg, model, optimizer, scheduler, batch, scored, old_logps=None):
     """One optimizer step on the clipped sequence loss over the batch, in micro-batches of per_device_train_batch_size
-    (gradient accumulation; the loss is a mean over all the step's sequences, README 'How RLOO works here').
+    (gradient accumulation: the loss is the mean over all of the step's sequences, on every rank; paper §3).
 
-    old_logps None: on-policy pass, s_old = s.detach() so rho == 1 (no scoring pass, README 'Where we differ').
+    old_logps None: on-policy pass, s_old = s.detach() so rho == 1 (README 'Where we differ from TRL').
     Returns the sequence log-probs s [B] (the s_old of later passes), this rank's sums for the metrics (named
     scalars), the global gradient norm (non-finite: the optimizer step was skipped) and the phase timings.
     """

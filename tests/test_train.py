@@ -24,7 +24,7 @@ from conftest import requires_vllm
 from rloo import rloo_advantages, sequence_kl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SPEC_METRICS = ["reward", "reward_std", "rewards/task_reward/mean", "rewards/task_reward/std", "kl", "entropy",
+README_METRICS = ["reward", "reward_std", "rewards/task_reward/mean", "rewards/task_reward/std", "kl", "entropy",
                 "completions/mean_length", "completions/min_length", "completions/max_length",
                 "completions/clipped_ratio", "completions/mean_terminated_length", "clip_ratio/low_mean",
                 "clip_ratio/high_mean", "clip_ratio/region_mean", "frac_reward_zero_std", "loss", "grad_norm",
@@ -180,7 +180,7 @@ def test_mask_truncated_completions_drops_their_tokens_but_keeps_their_reward_in
 
 
 def test_kl_from_sampler_logps_equals_two_pass_computation():
-    """SPEC §2: advantages computed with the sampler's log-probs equal those of TRL's separate scoring pass."""
+    """README 'Where we differ from TRL, on purpose': advantages computed with the sampler's log-probs equal those of TRL's separate scoring pass."""
     model, tokenizer, _ = data.embedded_task(seed=0)
     ref = copy.deepcopy(model)
     with torch.no_grad():
@@ -267,7 +267,7 @@ def test_single_process_run_logs_spec_metrics_and_saves_hf_model(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     metrics = read_metrics(tmp_path)
     assert [m["step"] for m in metrics] == [1, 2, 3]
-    for name in SPEC_METRICS:
+    for name in README_METRICS:
         assert name in metrics[-1], name
     assert metrics[0]["clip_ratio/region_mean"] == 0.0  # on-policy: rho == 1 exactly
     assert abs(metrics[0]["kl"]) < 1e-5  # policy == reference before the first update
@@ -651,7 +651,7 @@ def test_vlm_run_with_images_column_trains_and_saves(tmp_path, llava_dir, image_
     assert out.returncode == 0, out.stderr[-3000:]
     metrics = read_metrics(tmp_path / "run")
     assert [m["step"] for m in metrics] == [1, 2]
-    for key in SPEC_METRICS:
+    for key in README_METRICS:
         key = key.replace("task_reward", "color_reward")
         assert key in metrics[-1] and (metrics[-1][key] is not None or "terminated" in key), key  # all may truncate
     assert metrics[-1]["sampling/sampling_logp_difference/mean"] < 1e-5  # trainer forward == sampler
