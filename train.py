@@ -276,25 +276,24 @@ def evaluate(cfg, generate, dataset, reward_funcs, step):
     Each rank takes its share of every chunk of prompts; indices wrap so all ranks call generate equally often
     (FSDP2 all-gathers in lockstep), and the wrapped duplicates are dropped before the metrics.
     """
-    G, n, parts = cfg.num_generations, len(dataset), []
+    G, n, chunks = cfg.num_generations, len(dataset), []
     P, rank, world_size = data.prompts_per_rank(cfg), distributed.rank(), distributed.world_size()
     for start in range(0, n, P * world_size):
         index = [start + rank * P + j for j in range(P)]
         rows = dataset[[i % n for i in index]]
         batch = generate(rows)
-        rewards_per_func = rewards_lib.call_rewards(reward_funcs, rows, batch, G, step)
+        rewards_per_func = rewards_lib.call_rewards(reward_funcs, rows, batch, G, step)  # [B, K]
         valid = torch.tensor([i < n for i in index for _ in range(G)], device=rewards_per_func.device)
-        parts.append(torch.cat([rewards_per_func, batch["completion_mask"].sum(-1, keepdim=True).float(),
-                                batch["truncated"][:, None].float(), valid[:, None].float()], -1))
-    table = distributed.gather({"table": torch.cat(parts).T})["table"].T  # [all completions, K + 3]
-    table = table[table[:, -1] > 0]  # drop the wrapped duplicates (whole groups: a group shares its prompt index)
-    K = len(reward_funcs)
-    weights = rewards_lib.reward_weights(cfg, reward_funcs).to(table.device)
-    rewards = combine_rewards(table[:, :K], weights, cfg.reward_clip_range)
-    columns = {"rewards_per_func": table[:, :K], "rewards": rewards, "lengths": table[:, K],
-               "truncated": table[:, K + 1]}
-    return {f"eval_{k}": v for k, v in generation_metrics(columns, [rewards_lib.reward_name(f) for f in reward_funcs],
-                                                          weights, G).items()}
+        chunks.append({"rewards_per_func": rewards_per_func.T, "lengths": batch["completion_mask"].sum(-1).float(),
+                       "truncated": batch["truncated"].float(), "valid": valid.float()})
+    columns = distributed.gather({k: torch.cat([c[k] for c in chunks], -1) for k in chunks[0]})  # [..., all]
+    keep = columns.pop("valid") > 0  # drop the wrapped duplicates (whole groups: a group shares its prompt index)
+    columns = {k: v[..., keep] for k, v in columns.items()}
+    columns["rewards_per_func"] = columns["rewards_per_func"].T  # [completions, K]
+    weights = rewards_lib.reward_weights(cfg, reward_funcs).to(keep.device)
+    columns["rewards"] = combine_rewards(columns["rewards_per_func"], weights, cfg.reward_clip_range)
+    names = [rewards_lib.reward_name(f) for f in reward_funcs]
+    return {f"eval_{k}": v for k, v in generation_metrics(columns, names, weights, G).items()}
 
 
 def count_nonfinite(cfg, grad_norm, in_a_row):

@@ -82,7 +82,7 @@ def connect_colocated(cfg, model, tokenizer, device, max_images):
         return samples
 
     # the engine shares torch.distributed's default group and tears it down itself: it stops before the trainer
-    return sample, push_weights, engine.llm_engine.engine_core.shutdown
+    return sample, push_weights, lambda: engine.llm_engine.engine_core.shutdown()
 
 
 def connect_server(cfg, model):
