@@ -6,6 +6,7 @@ no model code (sharding is in train.prepare_model) and no checkpoint code (check
 """
 
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -75,3 +76,38 @@ def shutdown():
     if world_size() > 1 and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+        wait_for_gloo_workers()
+
+
+def wait_for_gloo_workers(timeout=10.0, quiet=0.05):
+    """Return once gloo's worker threads (pt_gloo_runloop) are parked, so the interpreter may finalize.
+
+    destroy_process_group does not join them: FSDP2 still holds the group, and only its destructor joins them. A
+    worker that has finished a collective but not yet dropped it (preempted on a busy machine) takes the GIL to release
+    its tensors' Python objects; if that happens as the interpreter finalizes, CPython ends the thread with
+    pthread_exit inside a noexcept destructor and the process aborts ('terminate called without an active
+    exception'). Parked: sleeping, context switches unchanged for `quiet` seconds while this thread sleeps without the
+    GIL (a worker waiting for the GIL wakes every 5 ms). No work is queued after destroy_process_group, so a parked
+    worker stays parked. Linux only (/proc); elsewhere a no-op."""
+    def workers():
+        found = {}
+        for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []:
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    if f.read().strip() != "pt_gloo_runloop":
+                        continue
+                with open(f"/proc/self/task/{tid}/status") as f:
+                    status = dict(line.split(":", 1) for line in f)
+            except OSError:  # the thread has just ended
+                continue
+            found[tid] = tuple(status[k].split()[0] for k in
+                               ("State", "voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"))
+        return found
+
+    deadline, before = time.monotonic() + timeout, workers()
+    while before and time.monotonic() < deadline:
+        time.sleep(quiet)
+        now = workers()
+        if now == before and all(state == "S" for state, _, _ in now.values()):
+            return
+        before = now

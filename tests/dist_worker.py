@@ -5,7 +5,6 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -36,6 +35,4 @@ stats = distributed.reduce_sums(stats)
 state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 if rank == 0:
     torch.save({"loss": stats["loss"] / world_size, "grad_norm": grad_norm.item(), "state": state}, sys.argv[1])
-if world_size > 1:
-    dist.barrier()  # no rank tears gloo down while rank 0 still saves (else a rare SIGABRT at exit)
-    dist.destroy_process_group()
+distributed.shutdown()  # after rank 0 has saved; see distributed.wait_for_gloo_workers
