@@ -7,6 +7,7 @@
     python bench.py --scaling                         # step time vs completion length and model size
     torchrun --standalone --nproc_per_node=2 bench.py --config compute
     python bench.py --config compute --use_vllm       # any other flag goes to train.py
+    python bench.py --config smollm2 --use_peft       # LoRA (peft's default targets: q_proj, v_proj)
 
 Both trainers load the same model directory (built from a config with a fixed seed and saved once), the same
 prompts, G, batch, max_completion_length, beta=0.05, temperature 1, fp32, constant learning rate, one optimizer step
@@ -197,6 +198,8 @@ def main():
     parser.add_argument("--max_completion_length", type=int, help="override the config's")
     parser.add_argument("--scaling", action="store_true", help="a table: completion length 16/64/256 x model size")
     args, extra = parser.parse_known_args()
+    if args.steps <= 3:
+        parser.error(f"--steps {args.steps}: the first 3 steps are warm-up and dropped; run at least 4")
     if args.scaling:
         return scaling(args.steps)
     c = dict(CONFIGS[args.config])

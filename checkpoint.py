@@ -2,9 +2,11 @@
 renamed), SIGTERM as a request to checkpoint and stop, the final model in Hugging Face format, and
 `python train.py export CHECKPOINT [OUT_DIR]`.
 
-A checkpoint-N directory holds every rank's model and optimizer shards, rng_rank{r}.pt per rank, and
-trainer_state.json (step, num_tokens, the metric window, scheduler, model name, world size, vision), written last so
-that its presence marks a finished checkpoint. The data position follows from the step (data.prompt_indices).
+A checkpoint-N directory holds every rank's shards of the trained parameters (with LoRA: the adapter only; the
+frozen base comes from --model again), the optimizer, the reference model when --sync_ref_model moves it,
+rng_rank{r}.pt per rank, and trainer_state.json (step, num_tokens, the metric window, scheduler, and how to rebuild
+the model: name, loading options, adapter settings, seed, world size, vision), written last so that its presence
+marks a finished checkpoint. The data position follows from the step (data.prompt_indices).
 """
 
 import json
@@ -18,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+                                                     set_model_state_dict, set_state_dict)
 
 import distributed
 from config import fail
@@ -37,12 +39,12 @@ def checkpoint_dirs(output_dir):
     return [path for _, path in sorted(found)]
 
 
-def start(cfg, model, optimizer, scheduler):
+def start(cfg, model, optimizer, scheduler, ref_model=None):
     """Where the run starts: the saved state with --resume_from_checkpoint (model, optimizer, scheduler and RNG
     restored), else step 0, after removing another run's checkpoints under --overwrite_output_dir.
     Returns {"step", "num_tokens", "window"} (window: the metrics logged since the last log line)."""
     if cfg.resume_from_checkpoint:
-        return load_checkpoint(cfg, model, optimizer, scheduler)
+        return load_checkpoint(cfg, model, optimizer, scheduler, ref_model)
     if distributed.is_main() and cfg.overwrite_output_dir:
         for old in checkpoint_dirs(cfg.output_dir):
             shutil.rmtree(old)
@@ -68,7 +70,27 @@ def save_due(cfg, step, saved_step, total_steps):
     return (cfg.save_steps > 0 and step // cfg.save_steps > saved_step // cfg.save_steps) or step >= total_steps
 
 
-def save_checkpoint(cfg, model, optimizer, scheduler, state, vision=False):
+TRAINED = StateDictOptions(ignore_frozen_params=True)  # the frozen base of a LoRA run is --model's, not ours to save
+
+
+def sharded_state(cfg, model, optimizer, ref_model):
+    """The state DCP saves and loads: trained parameters, optimizer, and the reference when sync_ref_model moves it."""
+    model_state, optim_state = get_state_dict(model, optimizer, options=TRAINED)
+    state = {"model": model_state, "optimizer": optim_state}
+    if cfg.sync_ref_model:
+        state["ref_model"] = get_model_state_dict(ref_model)
+    return state
+
+
+def rebuild_info(cfg, vision):
+    """What export needs to rebuild the model this checkpoint trains."""
+    from lora import settings
+
+    return dict(model=cfg.model, model_init_kwargs=cfg.model_init_kwargs, trust_remote_code=cfg.trust_remote_code,
+                lora=settings(cfg), seed=cfg.seed, vision=vision)
+
+
+def save_checkpoint(cfg, model, optimizer, scheduler, state, vision=False, ref_model=None):
     """Every rank writes its own shards (nobody gathers the model) into checkpoint-N.tmp; rank 0 renames it when all
     are done, so a kill mid-save leaves the previous checkpoint intact. state: step, num_tokens, metric window."""
     rank, world_size = distributed.rank(), distributed.world_size()
@@ -78,15 +100,14 @@ def save_checkpoint(cfg, model, optimizer, scheduler, state, vision=False):
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     distributed.barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
+    dcp.save(sharded_state(cfg, model, optimizer, ref_model), checkpoint_id=tmp)
     cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
     torch.save({"cpu": torch.get_rng_state(), "cuda": cuda_rng}, os.path.join(tmp, f"rng_rank{rank}.pt"))
     distributed.barrier()
     if rank == 0:
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump({**state, "scheduler": scheduler.state_dict(), "model": cfg.model, "world_size": world_size,
-                       "vision": vision}, f)
+            json.dump({**state, "scheduler": scheduler.state_dict(), "world_size": world_size,
+                       **rebuild_info(cfg, vision)}, f)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         for old in checkpoint_dirs(cfg.output_dir)[:-cfg.save_total_limit] if cfg.save_total_limit else []:
@@ -111,17 +132,24 @@ def find_checkpoint(cfg):
     return path, state
 
 
-def load_checkpoint(cfg, model, optimizer, scheduler):
-    """Restore model, optimizer, scheduler and this rank's RNG; returns the saved state (step, num_tokens, window)."""
+def load_checkpoint(cfg, model, optimizer, scheduler, ref_model=None):
+    """Restore model, optimizer, scheduler, a moved reference and this rank's RNG; returns the saved state (step,
+    num_tokens, window)."""
     rank, world_size = distributed.rank(), distributed.world_size()
     path, state = find_checkpoint(cfg)
-    model_state, optim_state = get_state_dict(model, optimizer)
-    full = {"model": model_state, "optimizer": optim_state}
+    if bool(state.get("lora")) != cfg.use_peft:
+        fail(f"checkpoint {path!r} was trained {'with' if state.get('lora') else 'without'} --use_peft; resume it "
+             "the same way")
+    full = sharded_state(cfg, model, optimizer, ref_model)
     try:
         dcp.load(full, checkpoint_id=path)
     except Exception as e:  # shapes or names differ: another architecture saved this
         fail(f"checkpoint {path!r} does not fit this model: {str(e).splitlines()[0][:300]}")
-    set_state_dict(model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optimizer"])
+    # strict=False: the frozen base is not in the checkpoint (dcp.load above already failed on a missing trained key)
+    set_state_dict(model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optimizer"],
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
+    if cfg.sync_ref_model:
+        set_model_state_dict(ref_model, full["ref_model"])
     scheduler.load_state_dict(state["scheduler"])
     rng_file = os.path.join(path, f"rng_rank{rank}.pt")
     if state["world_size"] == world_size and os.path.exists(rng_file):
@@ -138,25 +166,37 @@ def load_checkpoint(cfg, model, optimizer, scheduler):
 
 
 def save_hf(model, tokenizer, path):
-    """Final model in Hugging Face format (from_pretrained / vLLM load it). FSDP2 shards are gathered to rank 0 only."""
+    """Final model in Hugging Face format (from_pretrained / vLLM load it); with LoRA the merged weights, and the
+    adapter alone in path/adapter. FSDP2 shards are gathered to rank 0 only."""
+    import lora
+
     state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if distributed.is_main():
-        model.save_pretrained(path, state_dict=state_dict)
+        if lora.is_adapted(model):
+            lora.save_adapted(model, state_dict, path)
+        else:
+            model.save_pretrained(path, state_dict=state_dict)
         tokenizer.save_pretrained(path)
 
 
 def export_checkpoint(path, out_dir):
-    """`python train.py export CHECKPOINT [OUT_DIR]`: a sharded checkpoint -> a Hugging Face model directory."""
+    """`python train.py export CHECKPOINT [OUT_DIR]`: a sharded checkpoint -> a Hugging Face model directory (with
+    LoRA: the base from its model name or seed, the adapter from the checkpoint, merged; the adapter in OUT/adapter)."""
+    import lora
     from data import embedded_task
     from models import load_model
 
     with open(os.path.join(path, "trainer_state.json")) as f:
-        state = json.load(f)
-    name = state["model"]
-    model, tokenizer = load_model(name, state.get("vision", False)) if name is not None else embedded_task(0)[:2]
-    state = {"model": model.state_dict()}
+        info = json.load(f)
+    if info["model"] is None:
+        model, tokenizer = embedded_task(info.get("seed", 0))[:2]
+    else:
+        model, tokenizer = load_model(info["model"], info.get("vision", False), info.get("model_init_kwargs"),
+                                      info.get("trust_remote_code", False))
+    if info.get("lora"):
+        model = lora.add_adapter(model, info["lora"])
+    state = {"model": get_model_state_dict(model, options=TRAINED)}
     dcp.load(state, checkpoint_id=path)  # reads every rank's shards in one process
-    model.load_state_dict(state["model"])
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    model.load_state_dict(state["model"], strict=not info.get("lora"))
+    save_hf(model, tokenizer, out_dir)
     print(f"rloo: exported {path} -> {out_dir}")

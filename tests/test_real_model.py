@@ -159,3 +159,18 @@ def test_vllm_server_with_filters_gives_the_trainers_log_probs(tmp_path, smollm2
         os.killpg(server.pid, 15)
         server.wait(timeout=60)
     assert "sampling/sampling_logp_difference/mean" not in metrics and abs(metrics["kl"]) <= 1e-4
+
+
+@requires_vllm
+def test_colocated_vllm_context_too_long_for_the_kv_cache_is_one_line_and_the_flag_fixes_it(tmp_path, smollm2_dir):
+    """SmolLM2's 8,192-token context in fp32 needs 384 MiB of KV cache, more than the default 256 MiB: one line that
+    names both flags; --vllm_max_model_length 512 then runs."""
+    flags = ["--model", str(smollm2_dir), "--dataset", ADDITION, "--reward_funcs", "last_number_reward", "--use_vllm",
+             "--bf16", "false", "--num_generations", "4", "--per_device_train_batch_size", "8",
+             "--max_completion_length", "8", "--max_steps", "1"]
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *flags, "--output_dir", str(tmp_path / "a")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "--vllm_max_model_length" in out.stderr and "--vllm_kv_cache_memory_bytes" in out.stderr
+    [metrics] = train_run(tmp_path, smollm2_dir, "--use_vllm", "--bf16", "false", "--vllm_max_model_length", "512")
+    assert abs(metrics["kl"]) <= 1e-4

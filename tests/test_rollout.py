@@ -13,7 +13,7 @@ import vllm_rollout
 
 def gen_cfg(**overrides):
     base = dict(num_generations=3, max_completion_length=6, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
-                repetition_penalty=1.0, chat_template_kwargs=None)
+                repetition_penalty=1.0, chat_template_kwargs=None, generation_kwargs=None)
     return SimpleNamespace(**{**base, **overrides})
 
 
@@ -92,7 +92,7 @@ def test_decode_samples_from_the_processed_distribution_and_stops_when_all_rows_
     cfg = gen_cfg(max_completion_length=1, temperature=0.7, top_k=5, top_p=0.9)
     prompt = tokenizer(["4172="], return_tensors="pt").input_ids  # [1, 5]
     scores = model(input_ids=prompt).logits[:, -1]
-    for process in rollout.sampling_processors(cfg):
+    for process in rollout.sampling_processors(cfg, prompt, [0]):
         scores = process(prompt, scores)
     want = torch.softmax(scores, -1)[0]  # [V]
     n = 20000
@@ -155,12 +155,17 @@ def check_engine_agrees_with_trainer(reports):
         assert r["greedy_equal"], (r["greedy_vllm"], r["greedy_hf"])  # after the last push: same greedy output
 
 
+LORA = ["--use_peft", "--lora_target_modules", "all-linear"]
+
+
 @requires_vllm
-@pytest.mark.parametrize("torchrun, tensor_parallel", [(False, 1), (True, 1), (True, 2)])
-def test_vllm_colocate_engine_follows_the_trainer(tmp_path, chat_model_dir, torchrun, tensor_parallel):
-    """One engine per rank, or one tensor-parallel engine shared by 2 ranks (each keeps its own prompts' samples)."""
+@pytest.mark.parametrize("torchrun, tensor_parallel, flags", [(False, 1, []), (True, 1, []), (True, 2, []),
+                                                              (True, 1, LORA)], ids=["one", "two", "tp2", "lora"])
+def test_vllm_colocate_engine_follows_the_trainer(tmp_path, chat_model_dir, torchrun, tensor_parallel, flags):
+    """One engine per rank, or one tensor-parallel engine shared by 2 ranks (each keeps its own prompts' samples);
+    with LoRA the engine receives the merged weights."""
     check_engine_agrees_with_trainer(vllm_worker(tmp_path, torchrun, "--model", str(chat_model_dir),
-                                                 "--vllm_tensor_parallel_size", str(tensor_parallel)))
+                                                 "--vllm_tensor_parallel_size", str(tensor_parallel), *flags))
 
 
 def free_port():
@@ -193,10 +198,10 @@ def vllm_server(chat_model_dir):
 
 
 @requires_vllm
-@pytest.mark.parametrize("torchrun", [False, True])
-def test_vllm_server_follows_the_trainer(tmp_path, chat_model_dir, vllm_server, torchrun):
+@pytest.mark.parametrize("torchrun, flags", [(False, []), (True, []), (False, LORA)], ids=["one", "two", "lora"])
+def test_vllm_server_follows_the_trainer(tmp_path, chat_model_dir, vllm_server, torchrun, flags):
     check_engine_agrees_with_trainer(vllm_worker(tmp_path, torchrun, "--model", str(chat_model_dir), "--vllm_mode",
-                                                 "server", "--vllm_server_port", str(vllm_server)))
+                                                 "server", "--vllm_server_port", str(vllm_server), *flags))
 
 
 @requires_vllm

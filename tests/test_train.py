@@ -100,6 +100,16 @@ def test_embedded_preset_applies_only_without_model_and_flags_win():
      "cannot load model '/no/such/model'"),
     (["--dataset", "/no/such/data.jsonl"], "dataset file '/no/such/data.jsonl' does not exist"),
     (["--dataset", "./no_such_file.jsonl"], "dataset file './no_such_file.jsonl' does not exist"),
+    (["--model_init_kwargs", '["dtype"]'], "model_init_kwargs must be a JSON object"),
+    (["--model_init_kwargs", '{"dtype": "bfloat16"}'], "apply to a model loaded with --model"),
+    (["--generation_kwargs", '{"seed": 1}'], "generation_kwargs ['seed'] not supported; supported: min_tokens"),
+    (["--num_generations_eval", "0"], "num_generations_eval=0 must be >= 1"),
+    (["--lora_target_modules", "q_proj"], "train a LoRA adapter: add --use_peft"),
+    (["--use_peft", "--sync_ref_model"], "with --use_peft the reference is the base model under the adapter"),
+    (["--sync_ref_model", "--beta", "0"], "drop --sync_ref_model"),
+    (["--sync_ref_model", "--ref_model_mixup_alpha", "2"], "ref_model_mixup_alpha=2.0 must be in [0, 1]"),
+    (["--use_peft", "--lora_target_modules", "no_such_layer"], "cannot add a LoRA adapter"),
+    (["--use_peft", "--lora_target_modules", "model.embed_tokens"], "only linear layers are supported"),
 ])
 def test_bad_config_fails_at_startup_with_one_clear_line(args, message):
     out = run(args)
@@ -403,12 +413,16 @@ def test_gradient_checkpointing_and_bf16_autocast_change_memory_not_math():
     torch.testing.assert_close(logps[2], logps[0], atol=0.1, rtol=0.05)  # ... and stays close
 
 
-@pytest.mark.parametrize("torchrun", [False, True])
-def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path, torchrun):
+@pytest.mark.parametrize("torchrun, flags", [
+    (False, []), (True, []),
+    (True, ["--use_peft", "--lora_target_modules", "all-linear"]),  # the checkpoint holds the adapter only
+    (False, ["--sync_ref_model", "--ref_model_sync_steps", "3", "--ref_model_mixup_alpha", "0.5"]),  # and the ref
+], ids=["one", "fsdp", "fsdp-lora", "sync-ref"])
+def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path, torchrun, flags):
     """Killed for real (SIGKILL to every process) after a checkpoint, resumed with `latest`: the metrics of every
     later step equal those of a run that never stopped. Under torchrun the sharded checkpoint is read back."""
     args = ["--max_steps", "16", "--save_steps", "2", "--logging_steps", "1", "--per_device_train_batch_size", "32",
-            "--beta", "0.05"]  # 12 steps after checkpoint-4 leave time to kill the run before it ends
+            "--beta", "0.05", *flags]  # 12 steps after checkpoint-4 leave time to kill the run before it ends
     whole = run(args + ["--output_dir", str(tmp_path / "whole")], torchrun=torchrun)
     assert whole.returncode == 0, whole.stderr[-3000:]
     out = tmp_path / "killed"

@@ -12,6 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import distributed  # noqa: E402
+import lora  # noqa: E402
 import models  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
@@ -27,10 +28,12 @@ cfg = train.parse_config(["--use_vllm", "--bf16", "false", "--num_generations", 
 model, tokenizer = models.load_model(cfg.model)
 initial = copy.deepcopy(model).eval()  # the weights the engine loaded: a stale engine would still sample from these
 eos_ids = rollout.eos_token_ids(tokenizer, model)
+if cfg.use_peft:  # the engine gets W + (alpha / r) B A
+    model = lora.add_adapter(model, lora.settings(cfg))
 model = models.prepare_model(model, cfg, trainable=True)
 sample, push_weights, stop = vllm_rollout.connect(cfg, model, tokenizer, device)
 generate = vllm_rollout.vllm_generator(sample, cfg, tokenizer, None, eos_ids, device)
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # large steps: the weights really move
+optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)  # large steps
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
 autocast = torch.autocast("cpu", enabled=False)
 prompts = [["What is 2+2?", "Say hi."], ["Count: 1 2 3", "abc"]][rank % 2]
