@@ -8,6 +8,7 @@
     torchrun --standalone --nproc_per_node=2 bench.py --config compute
     python bench.py --config compute --use_vllm       # any other flag goes to train.py
     python bench.py --config smollm2 --use_peft       # LoRA (peft's default targets: q_proj, v_proj)
+    python bench.py --config compute --server_cores 1 [--async_generation]  # a vLLM server on core 1, trainer on 0
 
 Both trainers load the same model directory (built from a config with a fixed seed and saved once), the same
 prompts, G, batch, max_completion_length, beta=0.05, temperature 1, fp32, constant learning rate, one optimizer step
@@ -197,6 +198,9 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--max_completion_length", type=int, help="override the config's")
     parser.add_argument("--scaling", action="store_true", help="a table: completion length 16/64/256 x model size")
+    parser.add_argument("--server_cores", help="start a vLLM server pinned to these cores (taskset list, e.g. 1) and "
+                        "generate with it; the trainer stays on --trainer_cores")
+    parser.add_argument("--trainer_cores", default="0", help="with --server_cores: the trainer's cores (e.g. 0)")
     args, extra = parser.parse_known_args()
     if args.steps <= 3:
         parser.error(f"--steps {args.steps}: the first 3 steps are warm-up and dropped; run at least 4")
@@ -206,10 +210,41 @@ def main():
     if args.max_completion_length:
         c["max_completion_length"] = args.max_completion_length
     files = task_files(c)
+    if args.server_cores:  # e.g. --server_cores 1 --trainer_cores 0, then once more with --async_generation
+        extra += serve(files[0], args.server_cores, args.trainer_cores)
     steps = run_rloo(*files, c, args.steps, extra) if args.trainer == "rloo" else run_trl(*files, c, args.steps)
     if steps is not None:
         world_size = int(os.environ.get("WORLD_SIZE", 1))
-        summarize(f"{args.trainer} --config {args.config} ({c})", steps, c["batch"] * world_size)
+        summarize(f"{args.trainer} --config {args.config} ({c}) {' '.join(extra)}", steps, c["batch"] * world_size)
+
+
+def serve(model_dir, server_cores, trainer_cores):
+    """vLLM's server for model_dir pinned to server_cores (stopped at exit), this process pinned to trainer_cores:
+    -> the train.py flags that generate with it. Each side gets its cores' threads and no more."""
+    import atexit
+    import signal
+    import socket
+    import subprocess
+
+    import vllm_rollout
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    threads = str(len(server_cores.split(",")))
+    server = subprocess.Popen(
+        ["taskset", "-c", server_cores, sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+         model_dir, "--port", str(port), "--dtype", "float32", "--kv-cache-memory-bytes", str(2**28), "--enforce-eager",
+         "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", "OMP_NUM_THREADS": threads,
+             "VLLM_CPU_OMP_THREADS_BIND": server_cores})
+    atexit.register(lambda: os.killpg(server.pid, signal.SIGTERM))
+    vllm_rollout.wait_for_server(f"http://127.0.0.1:{port}", 600)
+    cores = {int(c) for c in trainer_cores.split(",")}
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
+    return ["--use_vllm", "--vllm_mode", "server", "--vllm_server_port", str(port)]
 
 
 def scaling(num_steps):

@@ -6,7 +6,8 @@ A checkpoint-N directory holds every rank's shards of the trained parameters (wi
 frozen base comes from --model again), the optimizer, the reference model when --sync_ref_model moves it,
 rng_rank{r}.pt per rank, and trainer_state.json (step, num_tokens, the metric window, scheduler, and how to rebuild
 the model: name, loading options, adapter settings, seed, world size, vision), written last so that its presence
-marks a finished checkpoint. The data position follows from the step (data.prompt_indices).
+marks a finished checkpoint. The data position (prompt batches drawn, batches.py) is saved with it, and an async
+run's batches in flight go to in_flight_rank{r}.pt.
 """
 
 import json
@@ -42,13 +43,14 @@ def checkpoint_dirs(output_dir):
 def start(cfg, model, optimizer, scheduler, ref_model=None):
     """Where the run starts: the saved state with --resume_from_checkpoint (model, optimizer, scheduler and RNG
     restored), else step 0, after removing another run's checkpoints under --overwrite_output_dir.
-    Returns {"step", "num_tokens", "window"} (window: the metrics logged since the last log line)."""
+    Returns {"step", "num_tokens", "window", "position"} (window: the metrics logged since the last log line;
+    position: prompt batches drawn) and, from an async run's checkpoint, "in_flight"."""
     if cfg.resume_from_checkpoint:
         return load_checkpoint(cfg, model, optimizer, scheduler, ref_model)
     if distributed.is_main() and cfg.overwrite_output_dir:
         for old in checkpoint_dirs(cfg.output_dir):
             shutil.rmtree(old)
-    return {"step": 0, "num_tokens": 0, "window": {}}
+    return {"step": 0, "num_tokens": 0, "window": {}, "position": 0}
 
 
 def watch_sigterm(device):
@@ -101,6 +103,9 @@ def save_checkpoint(cfg, model, optimizer, scheduler, state, vision=False, ref_m
         os.makedirs(tmp)
     distributed.barrier()
     dcp.save(sharded_state(cfg, model, optimizer, ref_model), checkpoint_id=tmp)
+    in_flight = state.pop("in_flight", None)  # async generation's batches, sampled by weights no checkpoint holds
+    if in_flight:
+        torch.save(in_flight, os.path.join(tmp, f"in_flight_rank{rank}.pt"))
     cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
     torch.save({"cpu": torch.get_rng_state(), "cuda": cuda_rng}, os.path.join(tmp, f"rng_rank{rank}.pt"))
     distributed.barrier()
@@ -151,6 +156,13 @@ def load_checkpoint(cfg, model, optimizer, scheduler, ref_model=None):
     if cfg.sync_ref_model:
         set_model_state_dict(ref_model, full["ref_model"])
     scheduler.load_state_dict(state["scheduler"])
+    state.setdefault("position", state["step"] // cfg.num_iterations)  # saved before the position was
+    in_flight_file = os.path.join(path, f"in_flight_rank{rank}.pt")
+    if os.path.exists(in_flight_file):
+        if state["world_size"] != world_size:
+            fail(f"checkpoint {path!r} holds batches in flight for {state['world_size']} processes: resume it with "
+                 "as many")
+        state["in_flight"] = torch.load(in_flight_file, weights_only=False)
     rng_file = os.path.join(path, f"rng_rank{rank}.pt")
     if state["world_size"] == world_size and os.path.exists(rng_file):
         rng = torch.load(rng_file, weights_only=False)

@@ -136,7 +136,17 @@ class Config:
         "Server mode: directory (shared with the server) for the weight push (default output_dir/vllm_weights).")
     vllm_importance_sampling_cap: float | None = arg(None,
         "Correct generator/trainer log-prob drift with truncated importance sampling, weight min(exp(s_train - "
-        "s_vllm), cap). Off by default.")
+        "s_vllm), cap). Off by default; 2.0 with --async_generation.")
+    async_generation: bool = arg(False,
+        "Server mode: the server samples the next batch while the trainer updates on this one (one step "
+        "off-policy; staleness corrected by the truncated importance weight).")
+    async_generation_lag: int = arg(1,
+        "With async_generation: optimizer steps between the weights that sample a batch and the ones that train "
+        "on it (0: synchronous).")
+    dynamic_sampling: bool = arg(False,
+        "DAPO's dynamic sampling: drop groups whose raw rewards all agree and sample more prompts in their place.")
+    max_dynamic_sampling_rounds: int = arg(4,
+        "With dynamic_sampling: most extra generation rounds per step; then train on what there is.")
     # optimization
     learning_rate: float = arg(1e-6,
         "AdamW peak learning rate.")
@@ -309,6 +319,7 @@ def check_model_options(cfg):
     if cfg.load_in_4bit and cfg.use_vllm:
         fail("--load_in_4bit with --use_vllm: the engine would need the merged weights of a 4-bit base; generate "
              "without --use_vllm, or train LoRA on the full-precision base")
+    check_async_and_dynamic(cfg)
     if cfg.sync_ref_model and (cfg.use_peft or cfg.beta == 0):
         fail("sync_ref_model moves the reference model, and there is none to move: with --use_peft the reference is "
              "the base model under the adapter, with beta=0 there is no reference; drop --sync_ref_model")
@@ -316,3 +327,30 @@ def check_model_options(cfg):
         fail(f"ref_model_mixup_alpha={cfg.ref_model_mixup_alpha} must be in [0, 1] and "
              f"ref_model_sync_steps={cfg.ref_model_sync_steps} >= 1")
 
+
+
+# Truncated importance sampling's cap for stale batches (Yao et al. 2025, "Your efficient RL framework secretly brings
+# you off-policy RL training", C = 2): weights above it are rare with one step of staleness and would mostly add
+# variance.
+ASYNC_IMPORTANCE_SAMPLING_CAP = 2.0
+
+
+def check_async_and_dynamic(cfg):
+    if cfg.async_generation:
+        if not (cfg.use_vllm and cfg.vllm_mode == "server"):
+            fail("--async_generation needs --use_vllm --vllm_mode server: a colocated engine or our decode loop runs "
+                 "on the trainer's device with its weights (a second weight copy, FSDP2 all-gathers from a second "
+                 "thread); start a vLLM server (./launch.sh --help)")
+        if not rollout.sampler_logps_exact(cfg):
+            fail("--async_generation corrects stale batches with the server's log-probs of log_softmax(logits / T), "
+                 "which vLLM cannot report with repetition_penalty, top_k, top_p, min_p or those generation_kwargs: "
+                 "drop them")
+        if cfg.async_generation_lag < 0:
+            fail(f"async_generation_lag={cfg.async_generation_lag} must be >= 0")
+        if cfg.dynamic_sampling:
+            fail("--dynamic_sampling with --async_generation is not supported: its extra rounds would mix weights "
+                 "of different steps in one batch; use one of them")
+        if cfg.vllm_importance_sampling_cap is None:
+            cfg.vllm_importance_sampling_cap = ASYNC_IMPORTANCE_SAMPLING_CAP
+    if cfg.max_dynamic_sampling_rounds < 0:
+        fail(f"max_dynamic_sampling_rounds={cfg.max_dynamic_sampling_rounds} must be >= 0")

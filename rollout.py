@@ -365,7 +365,7 @@ def hf_generator(cfg, model, tokenizer, processor, device):
     trainer scores in (bf16 autocast under --bf16) and from the policy's live weights, so there is nothing to push."""
     from models import bf16_autocast
 
-    def generate_from_policy(prompts, images=None):
+    def generate_from_policy(prompts, images=None, seed=None):  # sampled from the global RNG (checkpointed): no seed
         with bf16_autocast(cfg, device):
             return generate(model, tokenizer, prompts, cfg, device, processor, images)
 

@@ -31,6 +31,7 @@ import lora
 import models
 import rewards as rewards_lib
 import rollout
+from batches import batch_source
 from config import EMBEDDED_PRESET, Config, check_config, fail, parse_config  # noqa: F401 (tests use them)
 from metrics import Logger, generation_metrics, show_samples, timed
 from models import bf16_autocast, load_model, loading, make_optimizer, prepare_model
@@ -79,23 +80,24 @@ def load_rewards(cfg, device):
 
 
 def start_generator(cfg, model, tokenizer, processor, dataset, device):
-    """The generator, chosen once: (generate(rows) -> batch, stop()). Our decode loop over the policy, or vLLM
-    colocated or as a server (it pushes the new weights, and wakes and sleeps, inside each call)."""
+    """The generator, chosen once: (generate(rows, seed) -> batch, stop(), push_weights()). Our decode loop over the
+    policy, or vLLM colocated or as a server (it pushes the new weights, and wakes and sleeps, inside each call,
+    except with --async_generation: batches.py pushes)."""
     if cfg.use_vllm:
         import vllm_rollout
 
         max_images = data.max_images_per_row(dataset) if processor else 0
-        generate, stop = vllm_rollout.start(cfg, model, tokenizer, processor, device, max_images)
+        generate, stop, push = vllm_rollout.start(cfg, model, tokenizer, processor, device, max_images)
     else:
-        generate, stop = rollout.hf_generator(cfg, model, tokenizer, processor, device), lambda: None
-    return rows_generator(generate, tokenizer, processor), stop
+        generate, stop, push = rollout.hf_generator(cfg, model, tokenizer, processor, device), None, None
+    return rows_generator(generate, tokenizer, processor), stop or (lambda: None), push
 
 
 def rows_generator(generate, tokenizer, processor):
-    """generate(prompts, images) -> generate(rows): this step's rows (prompts, and images for a vision-language run)
-    to the batch dict of rollout.generate, with the completions decoded as batch["texts"]."""
-    def generate_rows(rows):
-        batch = generate(rows["prompt"], data.row_images(rows) if processor else None)
+    """generate(prompts, images, seed) -> generate(rows, seed): this step's rows (prompts, and images for a
+    vision-language run) to the batch dict of rollout.generate, with the completions decoded as batch["texts"]."""
+    def generate_rows(rows, seed=None):
+        batch = generate(rows["prompt"], data.row_images(rows) if processor else None, seed)
         batch["texts"] = tokenizer.batch_decode(batch["completion_lists"], skip_special_tokens=True)
         return batch
     return generate_rows
@@ -119,9 +121,12 @@ def count_steps(cfg, dataset):
     return math.ceil(cfg.num_train_epochs * data.steps_per_epoch(dataset, cfg)) * cfg.num_iterations
 
 
-def make_scheduler(cfg, optimizer, total_steps):
-    return get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
-                         num_training_steps=total_steps)
+def make_optimization(cfg, model, dataset):
+    """AdamW over the trainable parameters, the learning-rate schedule, and the run's number of optimizer steps."""
+    total_steps, optimizer = count_steps(cfg, dataset), make_optimizer(model, cfg)
+    scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
+                              num_training_steps=total_steps)
+    return optimizer, scheduler, total_steps
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -132,8 +137,9 @@ def old_logps_from_sampler(cfg, vision=False):
     """The KL's log pi_old: the sampler's own log-probs where they are exactly the trainer's, i.e. log pi_T computed
     in fp32 (rollout.sampler_logps_exact); in bf16 the sampler's and the trainer's kernels differ (0.03-0.05 nats per
     token on SmolLM2-135M), so, as with vLLM's penalised or filtered log-probs, a no-grad forward of the policy
-    computes them (TRL's scoring pass, one more forward per step)."""
-    return rollout.sampler_logps_exact(cfg, vision) and not models.low_precision(cfg)
+    computes them (TRL's scoring pass, one more forward per step). So it does with --async_generation: the sampler's
+    are of older weights."""
+    return rollout.sampler_logps_exact(cfg, vision) and not models.low_precision(cfg) and not cfg.async_generation
 
 
 def score(cfg, batch, rows, reward_funcs, model, ref_model, step):
@@ -147,7 +153,9 @@ def score(cfg, batch, rows, reward_funcs, model, ref_model, step):
     if cfg.mask_truncated_completions:  # no gradient and no KL; they still count in the mean and the baselines
         loss_mask = loss_mask * (~batch["truncated"]).float()[:, None]
     with timed(timings, "time/rewards"):  # R = sum_k w_k R_k over the functions that scored, then clipped
-        rewards_per_func = rewards_lib.call_rewards(reward_funcs, rows, batch, G, step)  # [B, K]
+        rewards_per_func = batch.get("rewards_per_func")  # dynamic sampling scored them already
+        if rewards_per_func is None:
+            rewards_per_func = rewards_lib.call_rewards(reward_funcs, rows, batch, G, step)  # [B, K]
         weights = rewards_lib.reward_weights(cfg, reward_funcs).to(loss_mask.device)
         rewards = combine_rewards(rewards_per_func, weights, cfg.reward_clip_range)  # [B]
     kl_sums, logps = None, {}
@@ -184,6 +192,8 @@ def policy_step(cfg, model, optimizer, scheduler, batch, scored, old_logps=None)
                                                          "sequences")}
     if old_logps is None and "sampler_logps" in batch:
         sums["sampler_drift"] = advantages.new_zeros(())  # |log pi_sampler - log pi_trainer| per token
+    if cfg.vllm_importance_sampling_cap:
+        sums.update(is_weight=advantages.new_zeros(()), is_truncated=advantages.new_zeros(()))
     seq_logps_all, timings = [], {}
     with timed(timings, "time/forward_backward"):
         for i, mb in enumerate(mbs):
@@ -197,8 +207,10 @@ def policy_step(cfg, model, optimizer, scheduler, batch, scored, old_logps=None)
             sampler_logps = batch["sampler_logps"][mb, :T] if "sampler_logps" in batch else logps.detach()
             is_weights = None
             if cfg.vllm_importance_sampling_cap:  # truncated IS: the batch came from the generator, not this policy
-                is_weights = torch.exp(seq_old - (sampler_logps * mask).sum(-1)).clamp(
-                    max=cfg.vllm_importance_sampling_cap)
+                ratio = torch.exp(seq_old - (sampler_logps * mask).sum(-1))  # [b]  pi_trainer / pi_sampler
+                is_weights = ratio.clamp(max=cfg.vllm_importance_sampling_cap)
+                sums["is_weight"] += is_weights.sum()
+                sums["is_truncated"] += (ratio > cfg.vllm_importance_sampling_cap).float().sum()
             loss, low, high = rloo_loss(seq_logps, seq_old, advantages[mb], cfg.epsilon, eps_high, len(advantages),
                                         is_weights)
             loss.backward()
@@ -270,6 +282,9 @@ def train_metrics(sums, grad_norm, scheduler, timings, batch_tokens):
                "tokens_per_second/training": batch_tokens / timings["time/training"]}
     if "sampler_drift" in sums:
         metrics["sampling/sampling_logp_difference/mean"] = sums["sampler_drift"] / tokens
+    if "is_weight" in sums:  # truncated importance sampling (TRL's names)
+        metrics["sampling/importance_sampling_ratio/mean"] = sums["is_weight"] / sequences
+        metrics["sampling/importance_sampling_ratio/truncated_fraction"] = sums["is_truncated"] / sequences
     return metrics
 
 
@@ -296,7 +311,9 @@ def evaluate(cfg, generate, dataset, reward_funcs, step):
         index = [start + rank * P + j for j in range(P)]
         rows = dataset[[i % n for i in index]]
         batch = generate(rows)
-        rewards_per_func = rewards_lib.call_rewards(reward_funcs, rows, batch, G, step)  # [B, K]
+        rewards_per_func = batch.get("rewards_per_func")  # dynamic sampling scored them already
+        if rewards_per_func is None:
+            rewards_per_func = rewards_lib.call_rewards(reward_funcs, rows, batch, G, step)  # [B, K]
         valid = torch.tensor([i < n for i in index for _ in range(G)], device=rewards_per_func.device)
         chunks.append({"rewards_per_func": rewards_per_func.T, "lengths": batch["completion_mask"].sum(-1).float(),
                        "truncated": batch["truncated"].float(), "valid": valid.float()})
@@ -358,27 +375,26 @@ def main(argv=None):
     dataset, eval_dataset, vision = data.load_datasets(cfg)  # the data first: cheaper to find out it is wrong
     model, ref_model, tokenizer, processor, dataset = load_models(cfg, dataset, vision, device)
     reward_funcs = load_rewards(cfg, device)
-    generate, stop_generator = start_generator(cfg, model, tokenizer, processor, dataset, device)
+    generate, stop_generator, push_weights = start_generator(cfg, model, tokenizer, processor, dataset, device)
     generate_eval = eval_generator(cfg, model, tokenizer, processor, device)
-    total_steps = count_steps(cfg, dataset)
-    optimizer = make_optimizer(model, cfg)
-    scheduler = make_scheduler(cfg, optimizer, total_steps)
+    optimizer, scheduler, total_steps = make_optimization(cfg, model, dataset)
     torch.manual_seed(cfg.seed + distributed.rank())  # each rank samples different completions for its prompts
-    state = checkpoint.start(cfg, model, optimizer, scheduler, ref_model)  # step, num_tokens, metric window
+    state = checkpoint.start(cfg, model, optimizer, scheduler, ref_model)  # step, num_tokens, window, data position
     sigterm = checkpoint.watch_sigterm(device)
     announce(cfg, model, device, total_steps)
     logger = Logger(cfg, total_steps, state)
-    batches = data.prompt_batches(dataset, cfg, start=state["step"] // cfg.num_iterations)
+    next_batch, source_state, stop_source = batch_source(cfg, generate, push_weights, dataset, reward_funcs,
+                                                        tokenizer.pad_token_id, state)
     step, num_tokens, saved_step, nonfinite, stopped = state["step"], state["num_tokens"], state["step"], 0, False
 
     while step < total_steps and not stopped:
-        rows, timings = next(batches), {}  # this rank's P prompts and their dataset columns
-        # ======== 1. Sample: G completions per prompt ========
+        timings = {}
+        # ======== 1. Sample: G completions for each of this rank's P prompts (rows: their dataset columns) ========
         with timed(timings, "time/generation"):
-            batch = generate(rows)
+            rows, batch, source_metrics = next_batch(step)
         # ======== 2. Score: R, the KL-shaped r = R - beta * kl, leave-one-out advantages A ========
         scored = score(cfg, batch, rows, reward_funcs, model, ref_model, step)
-        sampled, batch_tokens = sample_metrics(cfg, batch, scored, reward_funcs, timings)
+        sampled, batch_tokens = sample_metrics(cfg, batch, scored, reward_funcs, {**timings, **source_metrics})
         num_tokens += batch_tokens  # once per generated batch, however many passes train on it
         if step == 0:
             show_samples("before training", rows, batch, scored, cfg.num_generations)
@@ -398,14 +414,15 @@ def main(argv=None):
         # ======== checkpoint: every save_steps, at the end, and on SIGTERM (only between generations) ========
         stopped = checkpoint.stop_requested(sigterm)
         if stopped or checkpoint.save_due(cfg, step, saved_step, total_steps):
-            checkpoint.save_checkpoint(cfg, model, optimizer, scheduler,
-                                       dict(step=step, num_tokens=num_tokens, window=logger.window), vision, ref_model)
+            checkpoint.save_checkpoint(cfg, model, optimizer, scheduler, dict(
+                step=step, num_tokens=num_tokens, window=logger.window, **source_state()), vision, ref_model)
             saved_step = step
 
     logger.close()
     if not stopped and step > state["step"]:
         show_samples("after training", rows, batch, scored, cfg.num_generations)
     finish(cfg, model, processor or tokenizer, stopped, step)
+    stop_source()  # joins the generation thread of async generation
     stop_generator()  # a colocated engine tears down torch.distributed's group itself: it goes first
     distributed.shutdown()
 

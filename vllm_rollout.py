@@ -30,21 +30,24 @@ from rollout import (eos_token_ids, finish_batch, image_token_ids, left_pad, pix
 
 
 def start(cfg, model, tokenizer, processor, device, max_images=0):
-    """The generator of a --use_vllm run: (generate(prompts, images) -> batch, stop()). Every call first pushes the
-    weights of the last optimizer step (the generator never samples from stale weights); batch["timings"] holds the
-    seconds the push took (time/weight_sync)."""
+    """The generator of a --use_vllm run: (generate(prompts, images, seed) -> batch, stop(), push_weights()). Every
+    call first pushes the weights of the last optimizer step (the generator never samples from stale weights);
+    batch["timings"] holds the seconds the push took (time/weight_sync). With --async_generation the caller pushes
+    (batches.py) and generate only samples, from another thread."""
     sample, push_weights, stop = connect(cfg, model, tokenizer, device, max_images)
     generate = vllm_generator(sample, cfg, tokenizer, processor, eos_token_ids(tokenizer, model, cfg), device)
+    if cfg.async_generation:
+        return generate, stop, push_weights
 
-    def generate_with_new_weights(prompts, images=None):
+    def generate_with_new_weights(prompts, images=None, seed=None):
         timings = {}
         with timed(timings, "time/weight_sync"):
             push_weights()
-        batch = generate(prompts, images)
+        batch = generate(prompts, images, seed)
         batch["timings"] = timings
         return batch
 
-    return generate_with_new_weights, stop
+    return generate_with_new_weights, stop, push_weights
 
 
 def connect(cfg, model, tokenizer, device, max_images=0):
@@ -121,7 +124,7 @@ def vllm_generator(sample, cfg, tokenizer, processor, eos_ids, device):
     prompt ids and pixel inputs come from the processor either way."""
     G = cfg.num_generations
 
-    def generate(prompts, images=None):
+    def generate(prompts, images=None, seed=None):
         if images is None:
             prompt_id_lists = tokenize_prompts(tokenizer, prompts, cfg.chat_template_kwargs)
         else:
@@ -131,6 +134,8 @@ def vllm_generator(sample, cfg, tokenizer, processor, eos_ids, device):
         sampling = vllm_sampling(cfg, eos_ids, logprobs)
         if processor is not None:  # image placeholders are never sampled (see rollout.generate_hf)
             sampling["logit_bias"] = {i: -100.0 for i in image_token_ids(processor)}
+        if seed is not None:  # prompt p's G samples get seed + p * G + j: reproducible whatever else the engine runs
+            sampling["seed"] = seed
         samples = sample(prompts, prompt_id_lists, images, sampling)
         if images is None:
             return batch_from_lists(prompt_id_lists, samples, G, eos_ids, tokenizer.pad_token_id, device)
@@ -152,18 +157,25 @@ def colocated_samples(engine, tp_group, prompt_id_lists, images, sampling):
     """
     from vllm import SamplingParams, TokensPrompt
 
-    requests = [TokensPrompt(prompt_token_ids=ids, **({"multi_modal_data": {"image": row}} if images and row else {}))
-                for ids, row in zip(prompt_id_lists, images or [None] * len(prompt_id_lists))]
+    requests = [(TokensPrompt(prompt_token_ids=ids, **({"multi_modal_data": {"image": row}} if images and row else {})),
+                 per_prompt_seed(sampling, i))
+                for i, (ids, row) in enumerate(zip(prompt_id_lists, images or [None] * len(prompt_id_lists)))]
     first = 0
     if tp_group is not None:
         everyone = [None] * torch.distributed.get_world_size(tp_group)
         torch.distributed.all_gather_object(everyone, requests, group=tp_group)
         requests = [request for part in everyone for request in part]
         first = sum(len(part) for part in everyone[:torch.distributed.get_rank(tp_group)])
-    outputs = engine.generate(requests, SamplingParams(**sampling, detokenize=False), use_tqdm=False)
+    params = [SamplingParams(**{**sampling, **seed}, detokenize=False) for _, seed in requests]
+    outputs = engine.generate([request for request, _ in requests], params, use_tqdm=False)
     logprobs = sampling["logprobs"] is not None
     return [(list(c.token_ids), [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)] if logprobs else None)
             for out in outputs[first:first + len(prompt_id_lists)] for c in out.outputs]
+
+
+def per_prompt_seed(sampling, i):
+    """The i-th prompt's seed (vLLM gives its n samples seed + j), or nothing when the call is unseeded."""
+    return {"seed": (sampling["seed"] + i * sampling["n"]) % 2**63} if sampling.get("seed") is not None else {}
 
 
 def batch_from_lists(prompt_id_lists, samples, G, eos_ids, pad_id, device):
@@ -295,11 +307,22 @@ def wait_for_server(base_url, timeout):
 
 
 def server_generate(base_url, prompt_id_lists, sampling, timeout):
-    """POST /v1/completions with token-id prompts and n = G; choices come back flat, index = prompt * G + sample."""
-    payload = dict(model=server_model_name(base_url), prompt=prompt_id_lists, return_token_ids=True,
-                   return_tokens_as_token_ids=True, **sampling)
-    choices = sorted(http(base_url + "/v1/completions", payload, timeout=timeout)["choices"],
-                     key=lambda c: c["index"])
+    """POST /v1/completions with token-id prompts and n = G; choices come back flat, index = prompt * G + sample.
+    Seeded: one request per prompt (a request has one seed), sent together so the server batches them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def complete(prompts, seed):
+        payload = dict(model=server_model_name(base_url), prompt=prompts, return_token_ids=True,
+                       return_tokens_as_token_ids=True, **{**sampling, **seed})
+        return sorted(http(base_url + "/v1/completions", payload, timeout=timeout)["choices"], key=lambda c: c["index"])
+
+    if sampling.get("seed") is None:
+        choices = complete(prompt_id_lists, {})
+    else:
+        with ThreadPoolExecutor(len(prompt_id_lists)) as pool:
+            answers = pool.map(lambda i: complete(prompt_id_lists[i:i + 1], per_prompt_seed(sampling, i)),
+                               range(len(prompt_id_lists)))
+            choices = [c for answer in answers for c in answer]
     return [(c["token_ids"], c["logprobs"] and c["logprobs"]["token_logprobs"]) for c in choices]
 
 
@@ -316,8 +339,9 @@ def server_chat(base_url, conversations, images, sampling, timeout, chat_templat
 
     logprobs = sampling["logprobs"] is not None  # the token ids come back through the log-prob entries
     payloads = [dict(model=server_model_name(base_url), messages=with_images(c, row, image_url),
-                     **{**sampling, "logprobs": True, "top_logprobs": 0}, return_tokens_as_token_ids=True,
-                     chat_template_kwargs=chat_template_kwargs or {}) for c, row in zip(conversations, images)]
+                     **{**sampling, **per_prompt_seed(sampling, i), "logprobs": True, "top_logprobs": 0},
+                     return_tokens_as_token_ids=True, chat_template_kwargs=chat_template_kwargs or {})
+                for i, (c, row) in enumerate(zip(conversations, images))]
     with ThreadPoolExecutor(len(payloads)) as pool:
         answers = list(pool.map(lambda p: http(base_url + "/v1/chat/completions", p, timeout=timeout), payloads))
     return [([int(t["token"].removeprefix("token_id:")) for t in c["logprobs"]["content"]],

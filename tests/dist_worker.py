@@ -34,7 +34,8 @@ if cfg.use_peft:  # B drawn at random, the same on every rank, so that A gets a 
         if "lora_B" in name:
             p.data.copy_(torch.randn(p.shape, generator=g) * 0.05)
 model = models.prepare_model(model, cfg, trainable=True)
-optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)  # updated weights = w - grad: compares the gradients
+# updated weights = w - grad: compares the gradients
+optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
 _, stats, grad_norm, _ = train.policy_step(cfg, model, optimizer, scheduler, batch,
                                            {"loss_mask": batch["completion_mask"].float(), "advantages": advantages[rows]})

@@ -207,7 +207,8 @@ def test_trust_remote_code(tmp_path):
     (tmp_path / "custom.py").write_text(CUSTOM_CODE)
     config = json.loads((tmp_path / "config.json").read_text())
     config.update(model_type="tiny_custom", architectures=["TinyCustomForCausalLM"],
-                  auto_map={"AutoConfig": "custom.TinyCustomConfig", "AutoModelForCausalLM": "custom.TinyCustomForCausalLM"})
+                  auto_map={"AutoConfig": "custom.TinyCustomConfig",
+                            "AutoModelForCausalLM": "custom.TinyCustomForCausalLM"})
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(SystemExit, match="custom code .* pass --trust_remote_code"):
         models.load_model(str(tmp_path))

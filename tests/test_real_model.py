@@ -169,7 +169,8 @@ def test_colocated_vllm_context_too_long_for_the_kv_cache_is_one_line_and_the_fl
              "--bf16", "false", "--num_generations", "4", "--per_device_train_batch_size", "8",
              "--max_completion_length", "8", "--max_steps", "1"]
     out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *flags, "--output_dir", str(tmp_path / "a")],
-                         capture_output=True, text=True, cwd=ROOT, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "2"})
+                         capture_output=True, text=True, cwd=ROOT, timeout=900,
+                         env={**os.environ, "OMP_NUM_THREADS": "2"})
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert "--vllm_max_model_length" in out.stderr and "--vllm_kv_cache_memory_bytes" in out.stderr
     [metrics] = train_run(tmp_path, smollm2_dir, "--use_vllm", "--bf16", "false", "--vllm_max_model_length", "512")

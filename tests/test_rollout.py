@@ -245,7 +245,8 @@ def test_vllm_server_down_is_a_clear_error_not_a_hang(tmp_path, chat_model_dir):
 
 
 @requires_vllm
-def test_vllm_server_dying_mid_run_stops_training_with_a_clear_error(tmp_path, chat_model_dir):
+@pytest.mark.parametrize("flags", [[], ["--async_generation"]], ids=["sync", "async"])
+def test_vllm_server_dying_mid_run_stops_training_with_a_clear_error(tmp_path, chat_model_dir, flags):
     port = free_port()
     server = start_server(chat_model_dir, port)
     try:
@@ -254,7 +255,7 @@ def test_vllm_server_dying_mid_run_stops_training_with_a_clear_error(tmp_path, c
             [sys.executable, os.path.join(ROOT, "train.py"), "--model", str(chat_model_dir), "--dataset",
              os.path.join(ROOT, "tests", "data", "math.jsonl"), "--reward_funcs", "accuracy_reward", "--use_vllm",
              "--vllm_mode", "server", "--vllm_server_port", str(port), "--bf16", "false", "--max_steps", "100000",
-             "--max_completion_length", "8", "--logging_steps", "1", "--output_dir", str(tmp_path)],
+             "--max_completion_length", "8", "--logging_steps", "1", "--output_dir", str(tmp_path), *flags],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
         while not (tmp_path / "metrics.jsonl").exists() or len((tmp_path / "metrics.jsonl").read_text().splitlines()) < 2:
             assert trainer.poll() is None, trainer.stderr.read()[-3000:]

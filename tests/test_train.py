@@ -110,6 +110,8 @@ def test_embedded_preset_applies_only_without_model_and_flags_win():
     (["--sync_ref_model", "--ref_model_mixup_alpha", "2"], "ref_model_mixup_alpha=2.0 must be in [0, 1]"),
     (["--use_peft", "--lora_target_modules", "no_such_layer"], "cannot add a LoRA adapter"),
     (["--use_peft", "--lora_target_modules", "model.embed_tokens"], "only linear layers are supported"),
+    (["--async_generation"], "--async_generation needs --use_vllm --vllm_mode server"),
+    (["--dynamic_sampling", "--max_dynamic_sampling_rounds", "-1"], "max_dynamic_sampling_rounds=-1 must be >= 0"),
 ])
 def test_bad_config_fails_at_startup_with_one_clear_line(args, message):
     out = run(args)
@@ -417,7 +419,8 @@ def test_gradient_checkpointing_and_bf16_autocast_change_memory_not_math():
     (False, []), (True, []),
     (True, ["--use_peft", "--lora_target_modules", "all-linear"]),  # the checkpoint holds the adapter only
     (False, ["--sync_ref_model", "--ref_model_sync_steps", "3", "--ref_model_mixup_alpha", "0.5"]),  # and the ref
-], ids=["one", "fsdp", "fsdp-lora", "sync-ref"])
+    (True, ["--dynamic_sampling"]),  # the data position is saved, not derived from the step
+], ids=["one", "fsdp", "fsdp-lora", "sync-ref", "fsdp-dynamic"])
 def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path, torchrun, flags):
     """Killed for real (SIGKILL to every process) after a checkpoint, resumed with `latest`: the metrics of every
     later step equal those of a run that never stopped. Under torchrun the sharded checkpoint is read back."""
@@ -426,6 +429,20 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path, torchru
     whole = run(args + ["--output_dir", str(tmp_path / "whole")], torchrun=torchrun)
     assert whole.returncode == 0, whole.stderr[-3000:]
     out = tmp_path / "killed"
+    kill_after_checkpoint(args, out, torchrun)
+    resumed = run(args + ["--output_dir", str(out), "--resume_from_checkpoint", "latest"], torchrun=torchrun)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    start = int(re.search(r"resumed from .*checkpoint-(\d+)", resumed.stdout).group(1))
+    assert 4 <= start < 16
+    expected, got = read_metrics(tmp_path / "whole"), read_metrics(out)
+    assert [m["step"] for m in got] == list(range(1, 17))
+    for e, g in zip(expected, got):
+        for key in ("reward", "loss", "grad_norm", "kl", "entropy", "completions/mean_length", "learning_rate"):
+            assert g[key] == pytest.approx(e[key], rel=1e-6, abs=1e-9), (e["step"], key)
+
+
+def kill_after_checkpoint(args, out, torchrun):
+    """Run train.py with args into out and SIGKILL every process of it once checkpoint-4 is finished."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun \
         else [sys.executable]
     proc = subprocess.Popen(launcher + [os.path.join(ROOT, "train.py"), *args, "--output_dir", str(out)],
@@ -437,15 +454,6 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path, torchru
     # the launcher and every worker (torchrun starts workers in sessions of their own), no chance to clean up
     subprocess.run(["pkill", "-KILL", "-f", "--", f"--output_dir {out}"])
     proc.wait()
-    resumed = run(args + ["--output_dir", str(out), "--resume_from_checkpoint", "latest"], torchrun=torchrun)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    start = int(re.search(r"resumed from .*checkpoint-(\d+)", resumed.stdout).group(1))
-    assert 4 <= start < 16
-    expected, got = read_metrics(tmp_path / "whole"), read_metrics(out)
-    assert [m["step"] for m in got] == list(range(1, 17))
-    for e, g in zip(expected, got):
-        for key in ("reward", "loss", "grad_norm", "kl", "entropy", "completions/mean_length", "learning_rate"):
-            assert g[key] == pytest.approx(e[key], rel=1e-6, abs=1e-9), (e["step"], key)
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
