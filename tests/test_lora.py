@@ -18,7 +18,7 @@ import models
 import rollout
 import train
 import vllm_rollout
-from test_train import cfg_for, read_metrics, run, worker
+from test_train import cfg_for, read_metrics, run, tiny_model_dir, worker  # noqa: F401 (tiny_model_dir: a fixture)
 
 CPU = torch.device("cpu")
 NO_AUTOCAST = torch.autocast("cpu", enabled=False)
@@ -165,12 +165,8 @@ def test_sync_reference_moves_it_by_the_mixup_formula():
         assert not torch.equal(v, old[k]) or torch.equal(old[k], policy.state_dict()[k])
 
 
-def test_model_init_kwargs_set_weight_dtype_and_attention(tmp_path):
-    model_dir = tmp_path / "m"
-    model, tokenizer, dataset = data.embedded_task(seed=0)
-    model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    dataset.select(range(32)).to_json(model_dir / "data.jsonl")
+def test_model_init_kwargs_set_weight_dtype_and_attention(tmp_path, tiny_model_dir):
+    model_dir = tiny_model_dir
     cfg = train.parse_config(["--model", str(model_dir), "--reward_funcs", "task_reward", "--model_init_kwargs",
                               '{"dtype": "bfloat16", "attn_implementation": "eager"}'])
     train.check_config(cfg)
@@ -264,16 +260,12 @@ def test_num_generations_eval(tmp_path):
     assert sizes == [(8, 16), (8, 16)] and "eval_reward" in metrics
 
 
-def test_qlora_trains_the_adapter_over_a_4bit_base_and_saves_it_merged(tmp_path):
+def test_qlora_trains_the_adapter_over_a_4bit_base_and_saves_it_merged(tmp_path, tiny_model_dir):
     """--load_in_4bit (bitsandbytes NF4, CPU path): the base layers are 4-bit, the run trains, the first step's KL is 0
     (adapter off == adapter with B = 0), and the final model is the adapter merged into the full-precision base."""
     from transformers import AutoModelForCausalLM
 
-    model_dir = tmp_path / "m"
-    model, tokenizer, dataset = data.embedded_task(seed=0)
-    model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    dataset.select(range(64)).to_json(model_dir / "data.jsonl")
+    model_dir = tiny_model_dir
     cfg = train.parse_config(["--model", str(model_dir), "--reward_funcs", "task_reward", "--use_peft",
                               "--load_in_4bit", "--bf16", "false"])
     loaded, _ = models.load_model(cfg.model, **models.loading(cfg))
