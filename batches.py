@@ -57,8 +57,7 @@ def batch_source(cfg, generate, push_weights, dataset, reward_funcs, pad_id, sav
         while len(in_flight) <= cfg.async_generation_lag:
             in_flight.append(draw(step))
         rows, batch, version = in_flight.popleft()
-        batch = batch.result() if hasattr(batch, "result") else batch
-        return rows, batch, {**metrics, "sampling/staleness": float(step - version)}
+        return rows, finished(batch), {**metrics, "sampling/staleness": float(step - version)}
 
     def state():
         settle(in_flight)
@@ -74,7 +73,12 @@ def batch_source(cfg, generate, push_weights, dataset, reward_funcs, pad_id, sav
 def settle(in_flight):
     """Wait for every generation in flight; a failed one raises here, in the trainer's thread."""
     for i, (rows, batch, version) in enumerate(in_flight):
-        in_flight[i] = (rows, batch.result() if hasattr(batch, "result") else batch, version)
+        in_flight[i] = (rows, finished(batch), version)
+
+
+def finished(batch):
+    """A generated batch, or the future of one waited for."""
+    return batch.result() if hasattr(batch, "result") else batch
 
 
 def request_seed(cfg, position):
@@ -96,18 +100,17 @@ def fill_with_informative(cfg, rows, batch, draw, reward_funcs, step, pad_id):
         batch["rewards_per_func"] = rewards_lib.call_rewards(reward_funcs, rows, batch, G, step)  # [B, K]
         raw = combine_rewards(batch["rewards_per_func"], weights.to(batch["rewards_per_func"].device))  # [B]
         parts.append((rows, batch, informative_groups(raw, G)))
-        found = sum(int(p[2].sum()) for p in parts)
-        short = distributed.reduce_sums({"short": torch.tensor(float(found < P))})["short"]
-        if not short or rounds == cfg.max_dynamic_sampling_rounds:
+        missing = max(P - sum(int(good.sum()) for _, _, good in parts), 0)  # informative groups still wanted
+        missing = distributed.reduce_sums({"missing": torch.tensor(float(missing))})["missing"]  # all ranks
+        if not missing or rounds == cfg.max_dynamic_sampling_rounds:
             break
         rows, batch = draw()
         rounds += 1
-    picks = [(i, g) for i, (_, _, good) in enumerate(parts) for g in good.nonzero().flatten().tolist()][:P]
-    picks += [(i, g) for i, (_, _, good) in enumerate(parts) for g in (~good).nonzero().flatten().tolist()]
-    picks = picks[:P]
-    short_groups = distributed.reduce_sums({"n": torch.tensor(float(P - min(found, P)))})["n"]
+    # the informative groups first, in the order drawn; after the bound, dropped ones fill the batch to P groups
+    picks = ([(i, g) for i, (_, _, good) in enumerate(parts) for g in good.nonzero().flatten().tolist()] +
+             [(i, g) for i, (_, _, good) in enumerate(parts) for g in (~good).nonzero().flatten().tolist()])[:P]
     metrics = {"dynamic_sampling/rounds": float(rounds),
-               "dynamic_sampling/shortfall": short_groups / (P * distributed.world_size())}
+               "dynamic_sampling/shortfall": missing / (P * distributed.world_size())}
     return select_rows(parts, picks), join_groups(parts, picks, G, pad_id), metrics
 
 
