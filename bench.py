@@ -21,6 +21,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import statistics
 import sys
 import tempfile
@@ -90,7 +91,9 @@ def run_rloo(model_dir, data, reward, c, steps, extra):
     if int(os.environ.get("RANK", 0)) != 0:
         return None
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f][1:]  # the first step also holds start-up
+        steps = [json.loads(line) for line in f][1:]  # the first step also holds start-up
+    shutil.rmtree(out)  # the final model and checkpoint: 2.2 GB per run for SmolLM2-135M
+    return steps
 
 
 def run_trl(model_dir, data, reward, c, steps):
