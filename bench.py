@@ -9,6 +9,9 @@
     python bench.py --config compute --use_vllm       # any other flag goes to train.py
     python bench.py --config smollm2 --use_peft       # LoRA (peft's default targets: q_proj, v_proj)
     python bench.py --config compute --server_cores 1 [--async_generation]  # a vLLM server on core 1, trainer on 0
+    python bench.py --config gpu --report gpu.json    # one GPU: the embedded default learns, then a Qwen2.5-0.5B
+                                                      # shape (bf16, G=8, 64 prompts, 256 tokens): full, LoRA,
+                                                      # checkpointing, and TRL on the same work (--tiny: on CPU)
 
 Both trainers load the same model directory (built from a config with a fixed seed and saved once), the same
 prompts, G, batch, max_completion_length, beta=0.05, temperature 1, fp32, constant learning rate, one optimizer step
@@ -29,13 +32,19 @@ import time
 
 import torch
 
-CONFIGS = {  # model shape (None: the real SmolLM2-135M-Instruct), then the batch geometry
+# Qwen2.5-0.5B's shape (tied embeddings, grouped-query attention); its weights are random here
+QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, vocab_size=151936, rope_theta=1e6)
+CONFIGS = {  # model shape (None: the real SmolLM2-135M-Instruct), then the batch geometry: completions per step
+    # (batch), per micro-step (micro, default batch), and precision
     "overhead": dict(model=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=1),
                      num_generations=4, batch=16, max_completion_length=16),
     "compute": dict(model=dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4),
                     num_generations=8, batch=64, max_completion_length=64),
     "smollm2": dict(model=None, num_generations=4, batch=16, max_completion_length=24),
+    "gpu": dict(model=QWEN25_05B, num_generations=8, batch=512, micro=64, max_completion_length=256, bf16=True),
 }
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1, vocab_size=256)
 ADDITION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "data", "addition.jsonl")
 PHASES = ["time/generation", "time/weight_sync", "time/reference", "time/rewards", "time/forward_backward",
           "time/optimizer"]
@@ -52,9 +61,12 @@ def task_files(c):
     return build_smollm2(os.path.join(tempfile.gettempdir(), "rloo-bench-smollm2")), ADDITION, "last_number_reward"
 
 
-def build_model(path, shape, vocab_size=256, num_rows=2048, seed=0):
-    """A random Qwen2 of the given shape (hidden_size, intermediate_size, num_hidden_layers, num_attention_heads) and
-    a copy-the-digits dataset (the embedded task's, with filler tokens in the vocabulary)."""
+def build_model(path, shape, num_rows=2048, seed=0):
+    """A random Qwen2 of the given shape (hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
+    optionally num_key_value_heads, vocab_size (default 256), rope_theta) and a copy-the-digits dataset (the embedded
+    task's, with filler tokens in the vocabulary)."""
+    shape = {"vocab_size": 256, "num_key_value_heads": shape["num_attention_heads"], **shape}
+    vocab_size = shape["vocab_size"]
     from datasets import Dataset
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -64,9 +76,8 @@ def build_model(path, shape, vocab_size=256, num_rows=2048, seed=0):
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tok.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<eos>", eos_token="<eos>")
-    config = Qwen2Config(vocab_size=vocab_size, **shape, num_key_value_heads=shape["num_attention_heads"],
-                         max_position_embeddings=512, tie_word_embeddings=True, eos_token_id=0, pad_token_id=0,
-                         bos_token_id=0)
+    config = Qwen2Config(**shape, max_position_embeddings=512, tie_word_embeddings=True, eos_token_id=0,
+                         pad_token_id=0, bos_token_id=0)
     torch.manual_seed(seed)
     Qwen2ForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -82,10 +93,12 @@ def run_rloo(model_dir, data, reward, c, steps, extra):
     import train
 
     out = tempfile.mkdtemp(prefix="rloo-bench-")
+    micro = c.get("micro", c["batch"])
     train.main(["--model", model_dir, "--dataset", data or os.path.join(model_dir, "data.jsonl"), "--reward_funcs",
-                reward, "--num_generations", str(c["num_generations"]), "--per_device_train_batch_size",
-                str(c["batch"]), "--max_completion_length", str(c["max_completion_length"]), "--beta", "0.05",
-                "--learning_rate", "1e-4", "--lr_scheduler_type", "constant", "--bf16", "false",
+                reward, "--num_generations", str(c["num_generations"]), "--per_device_train_batch_size", str(micro),
+                "--gradient_accumulation_steps", str(c["batch"] // micro), "--max_completion_length",
+                str(c["max_completion_length"]), "--beta", "0.05", "--learning_rate", "1e-4",
+                "--lr_scheduler_type", "constant", "--bf16", str(c.get("bf16", False)),
                 "--gradient_checkpointing", "false", "--max_steps", str(steps), "--logging_steps", "1",
                 "--save_steps", "0", "--output_dir", out] + extra)
     if int(os.environ.get("RANK", 0)) != 0:
@@ -107,9 +120,12 @@ def run_trl(model_dir, data, reward, c, steps):
         return rewards.BUILTINS[reward](completions, **kwargs)
 
     out = tempfile.mkdtemp(prefix="trl-bench-")
-    args = RLOOConfig(output_dir=out, per_device_train_batch_size=c["batch"], num_generations=c["num_generations"],
-                      max_completion_length=c["max_completion_length"], beta=0.05, learning_rate=1e-4,
-                      lr_scheduler_type="constant", bf16=False, gradient_checkpointing=False, max_steps=steps,
+    micro = c.get("micro", c["batch"])
+    args = RLOOConfig(output_dir=out, per_device_train_batch_size=micro,
+                      gradient_accumulation_steps=c["batch"] // micro, num_generations=c["num_generations"],
+                      max_completion_length=c["max_completion_length"],
+                      beta=0.05, learning_rate=1e-4, lr_scheduler_type="constant", bf16=c.get("bf16", False),
+                      gradient_checkpointing=False, max_steps=steps,
                       logging_steps=1, save_strategy="no", report_to="none", use_cpu=not torch.cuda.is_available(),
                       disable_tqdm=True, seed=42)
     trainer = RLOOTrainer(model=model_dir, reward_funcs=task_reward, args=args,
@@ -188,9 +204,12 @@ def summarize(name, steps, num_completions):
     print(f"  {'completions/mean_length':32s} {med['completions/mean_length']:10.2f}")
     print(f"  {'completions/max_length':32s} {med['completions/max_length']:10.2f}")
     print(f"  {'reward (mean over the run)':32s} {statistics.mean(s['reward'] for s in steps):10.4f}")
-    print(f"  {'peak_rss_mib':32s} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:10.1f}")
+    med["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"  {'peak_rss_mib':32s} {med['peak_rss_mib']:10.1f}")
     if torch.cuda.is_available():
-        print(f"  {'peak_cuda_mib':32s} {torch.cuda.max_memory_allocated() / 2**20:10.1f}")
+        med["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        print(f"  {'peak_cuda_mib':32s} {med['peak_cuda_mib']:10.1f}")
+    med["tokens_per_second/generation"] = tokens / med["time/generation"]
     return med
 
 
@@ -204,12 +223,19 @@ def main():
     parser.add_argument("--server_cores", help="start a vLLM server pinned to these cores (taskset list, e.g. 1) and "
                         "generate with it; the trainer stays on --trainer_cores")
     parser.add_argument("--trainer_cores", default="0", help="with --server_cores: the trainer's cores (e.g. 0)")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model and batch in place of the config's (CPU)")
+    parser.add_argument("--report", help="write the medians (with --config gpu: every variant's) to this JSON file")
+    parser.add_argument("--variant", help=argparse.SUPPRESS)  # one run of the gpu suite, in its own process
     args, extra = parser.parse_known_args()
     if args.steps <= 3:
         parser.error(f"--steps {args.steps}: the first 3 steps are warm-up and dropped; run at least 4")
     if args.scaling:
         return scaling(args.steps)
+    if args.config == "gpu" and args.variant is None:
+        return gpu_suite(args, extra)
     c = dict(CONFIGS[args.config])
+    if args.tiny:
+        c.update(model=TINY, batch=16, micro=8, max_completion_length=16)
     if args.max_completion_length:
         c["max_completion_length"] = args.max_completion_length
     files = task_files(c)
@@ -218,7 +244,69 @@ def main():
     steps = run_rloo(*files, c, args.steps, extra) if args.trainer == "rloo" else run_trl(*files, c, args.steps)
     if steps is not None:
         world_size = int(os.environ.get("WORLD_SIZE", 1))
-        summarize(f"{args.trainer} --config {args.config} ({c}) {' '.join(extra)}", steps, c["batch"] * world_size)
+        med = summarize(f"{args.trainer} --config {args.config} ({c}) {' '.join(extra)}", steps,
+                        c["batch"] * world_size)
+        if args.report:
+            with open(args.report, "w") as f:
+                json.dump(med, f)
+
+
+# the gpu suite's runs: name -> bench.py flags (each in a fresh process, so that peak memory is its own)
+GPU_VARIANTS = {"full": [], "lora": ["--use_peft"], "checkpointing": ["--gradient_checkpointing", "true"],
+                "trl": ["--trainer", "trl"]}
+
+
+def gpu_suite(args, extra):
+    """The prepared one-GPU check: `python train.py` (the embedded default) must learn on the device, then each
+    variant of the gpu config runs args.steps steps. Prints one table; --report writes it as JSON."""
+    import subprocess
+
+    results = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+               "embedded": embedded_learns(args.tiny)}
+    print(f"embedded default: {results['embedded']}", flush=True)
+    for name, flags in GPU_VARIANTS.items():
+        report = tempfile.mktemp(suffix=".json")
+        cmd = [sys.executable, __file__, "--config", "gpu", "--variant", name, "--steps", str(args.steps),
+               "--report", report, *(["--tiny"] if args.tiny else []), *flags, *extra]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0 or not os.path.exists(report):  # report the failure, keep measuring the others
+            results[name] = {"error": (done.stderr or done.stdout).strip().splitlines()[-1:]}
+        else:
+            with open(report) as f:
+                results[name] = json.load(f)
+        print(f"{name}: {results[name]}", flush=True)
+    keys = ["step_time", "time/generation", "time/reference", "time/forward_backward", "time/optimizer",
+            "tokens_per_second/generation", "peak_cuda_mib", "peak_rss_mib"]
+    print("| variant | " + " | ".join(keys) + " |\n" + "|---" * (len(keys) + 1) + "|")
+    for name in GPU_VARIANTS:
+        row = results[name]
+        print(f"| {name} | " + " | ".join(f"{row[k]:.4g}" if isinstance(row.get(k), float) else str(row.get(k, "-"))
+                                           for k in keys) + " |")
+    if args.report:
+        with open(args.report, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+def embedded_learns(tiny):
+    """`python train.py` on this machine's device: mean reward over the first and last tenth of its steps, and the
+    wall time (tiny: 40 steps, too few to learn; it only shows the run works)."""
+    import subprocess
+
+    out = tempfile.mkdtemp(prefix="rloo-bench-embedded-")
+    start = time.perf_counter()
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"), "--output_dir", out,
+           "--logging_steps", "1", *(["--max_steps", "40"] if tiny else [])]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        return {"error": done.stderr.strip().splitlines()[-1:]}
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rewards = [json.loads(line)["reward"] for line in f]
+    shutil.rmtree(out)
+    tenth = max(1, len(rewards) // 10)
+    return {"first_tenth_reward": sum(rewards[:tenth]) / tenth, "last_tenth_reward": sum(rewards[-tenth:]) / tenth,
+            "steps": len(rewards), "seconds": seconds}
 
 
 def serve(model_dir, server_cores, trainer_cores):

@@ -76,6 +76,12 @@ class Config:
         "G: completions sampled per prompt (>= 2, the leave-one-out group).")
     max_completion_length: int = arg(256,
         "Most tokens generated per completion; one that ends without EOS is truncated.")
+    generation_chunk_size: int = arg(0,
+        "Our decode loop samples at most this many of a rank's completions at once (0: all), which bounds its KV "
+        "cache; the samples do not depend on it.")
+    compile_decode: bool = arg(False,
+        "torch.compile our decode loop's per-token forward over a static KV cache (on a GPU with CUDA graphs, mode "
+        "reduce-overhead; compiles again for each new batch size and 256-token length bucket).")
     temperature: float = arg(1.0,
         "Sampling temperature; log-probs are of softmax(logits / temperature).")
     top_p: float = arg(1.0,
@@ -122,16 +128,23 @@ class Config:
         "Colocate on CPU: KV cache size in bytes (RAM).")
     vllm_max_model_length: int | None = arg(None,
         "Colocate: the engine's context length (default: the model's; a long one needs a large KV cache).")
+    vllm_max_num_batched_tokens: int = arg(4096,
+        "Colocate: most tokens in one engine step (the prefill chunk vLLM reserves activation memory for).")
     vllm_tensor_parallel_size: int = arg(1,
         "Colocate: ranks per tensor-parallel engine (1: one whole engine per rank); must divide the world size.")
     vllm_enable_sleep_mode: bool = arg(False,
-        "Colocate on GPU: free vLLM's weights and KV cache during training, wake before the next push.")
+        "Colocate on GPU: free vLLM's weights and KV cache while training (sleep level 2); the push wakes the "
+        "weights, sampling the KV cache.")
     vllm_server_host: str = arg("127.0.0.1",
         "Server mode: host of the vLLM server.")
     vllm_server_port: int = arg(8000,
         "Server mode: port of the vLLM server.")
     vllm_server_timeout: float = arg(240.0,
         "Server mode: seconds to wait for the server at start-up and for each request.")
+    vllm_weight_sync: Literal["auto", "nccl", "file"] = arg("auto",
+        "Server mode: how weights reach the server after a step. nccl: vLLM's weight-transfer engine from rank 0 "
+        "(the server needs --weight-transfer-config '{\"backend\": \"nccl\"}', as launch.sh starts it); file: "
+        "safetensors in --vllm_sync_dir; auto: nccl on a GPU, file on CPU.")
     vllm_sync_dir: str | None = arg(None,
         "Server mode: directory (shared with the server) for the weight push (default output_dir/vllm_weights).")
     vllm_importance_sampling_cap: float | None = arg(None,
@@ -169,13 +182,20 @@ class Config:
     seed: int = arg(42,
         "Seed of model init and prompt order; rank r samples with seed + r.")
     bf16: bool = arg(True,
-        "bf16 compute (sampling too) with fp32 master weights (autocast; FSDP2 MixedPrecisionPolicy when sharded). "
+        "bf16 compute (sampling too) with fp32 master weights and gradients: FSDP2's MixedPrecisionPolicy, also in one "
+        "process; frozen models (reference, reward models, a LoRA base) are stored in bf16. "
         "When beta > 0 it costs one no-grad policy forward per step for the KL's old log-probs: bf16 kernels of "
         "another batch shape differ by ~0.04 nats/token.")
+    cast_lm_head_to_fp32: bool = arg(False,
+        "Keep the LM head in fp32 and compute the logits in fp32 under --bf16 (ScaleRL; TRL's name): sequence "
+        "log-probs summed over long completions are then less noisy. Needs an untied head.")
     gradient_checkpointing: bool = arg(True,
         "Recompute activations in backward to save memory.")
     cpu_offload: bool = arg(False,
         "FSDP2: keep parameters, gradients and optimizer state in CPU memory (needs > 1 process).")
+    ddp_timeout: float = arg(1800.0,
+        "Seconds a collective may wait for the slowest rank (the process group's timeout; TRL's name), e.g. while "
+        "rank 0 pushes weights to a vLLM server or writes the final model.")
     max_nonfinite_steps: int = arg(3,
         "Stop after this many optimizer steps in a row with a NaN/inf gradient (each is skipped).")
     # logging and output

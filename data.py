@@ -100,13 +100,18 @@ def check_chat_template(dataset, tokenizer, name):
              "model, add a chat_template to its tokenizer_config.json, or give plain string prompts")
 
 
+def longest_prompt(dataset, tokenizer, cfg):
+    """Tokens of the longest prompt after the chat template; None for a stream (no length to go through)."""
+    if not hasattr(dataset, "__len__"):
+        return None
+    return max(map(len, rollout.tokenize_prompts(tokenizer, dataset["prompt"], cfg.chat_template_kwargs)))
+
+
 def check_prompt_lengths(dataset, tokenizer, model, cfg):
     """Every prompt (after the chat template) plus max_completion_length must fit the model's context."""
     limit = getattr(model.config, "max_position_embeddings", None)
-    if limit is None or not hasattr(dataset, "__len__"):
-        return
-    longest = max(map(len, rollout.tokenize_prompts(tokenizer, dataset["prompt"], cfg.chat_template_kwargs)))
-    if longest + cfg.max_completion_length > limit:
+    longest = longest_prompt(dataset, tokenizer, cfg) if limit is not None else None
+    if longest is not None and longest + cfg.max_completion_length > limit:
         fail(f"the longest prompt has {longest} tokens; with max_completion_length={cfg.max_completion_length} "
              f"that exceeds the model's {limit} positions. Drop long prompts or lower --max_completion_length")
 

@@ -1,26 +1,50 @@
 """torch.distributed without clutter: start-up, this process's rank and the world size, and the two collectives the
 trainer needs for its metrics (a gather of per-completion columns, a sum of per-step totals).
 
-The same code runs as one process (`python train.py`: no process group, rank 0 of 1) and as N (`torchrun`). It holds
-no model code (sharding is in train.prepare_model) and no checkpoint code (checkpoint.py).
+The same code runs as one process (`python train.py`: a process group of one, so that bf16 runs FSDP2's mixed
+precision as N processes do) and as N (`torchrun`). It holds no model code (sharding is in models.prepare_model) and
+no checkpoint code (checkpoint.py).
 """
 
+import datetime
 import os
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
 
-def setup_distributed():
-    """The device of this process; under torchrun also the process group (NCCL on GPU, gloo on CPU)."""
-    if "RANK" not in os.environ:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
+def setup_distributed(timeout=1800.0):
+    """The device of this process and the process group (NCCL on GPU, gloo on CPU): torchrun's, or one of a single
+    process (an in-memory store, no ports). timeout: seconds a collective may wait (--ddp_timeout), e.g. for rank 0's
+    weight push to a vLLM server."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():  # torchrun may start more processes per node than this node shows GPUs
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    dist.init_process_group(process_group_backend(device), device_id=device if device.type == "cuda" else None)
+    else:
+        device = torch.device("cpu")
+        warn_if_gpus_are_hidden()
+    if dist.is_initialized():  # a caller in this process set it up (tests, bench.py)
+        return device
+    options = dict(timeout=datetime.timedelta(seconds=timeout), device_id=device if device.type == "cuda" else None)
+    if "RANK" not in os.environ:
+        options.update(store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(process_group_backend(device), **options)
     return device
+
+
+def warn_if_gpus_are_hidden():
+    """Training on the CPU on a machine with NVIDIA GPUs is almost always a launch mistake: say so, loudly."""
+    gpus = os.listdir("/proc/driver/nvidia/gpus") if os.path.isdir("/proc/driver/nvidia/gpus") else []
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if gpus or hidden == "":
+        why = (f"CUDA_VISIBLE_DEVICES={hidden!r} hides them" if hidden is not None else
+               f"this torch build has no CUDA (torch {torch.__version__})" if torch.version.cuda is None else
+               "CUDA cannot initialise them")
+        print(f"rloo: WARNING: this machine has {len(gpus) or 'some'} NVIDIA GPU(s) but this process trains on the "
+              f"CPU: {why}", file=sys.stderr)
 
 
 def process_group_backend(device):
@@ -73,8 +97,8 @@ def reduce_sums(sums):
 
 def shutdown():
     """Tear the process group down once every rank is done (rank 0 may still be writing the final model)."""
-    if world_size() > 1 and dist.is_initialized():
-        dist.barrier()
+    if dist.is_initialized():
+        barrier()
         dist.destroy_process_group()
         wait_for_gloo_workers()
 

@@ -10,21 +10,25 @@
 #             one torchrun per node, rendezvous on the first node of the allocation.
 # vLLM server: VLLM_SERVER_MODEL=<model> reserves generation for vLLM's own server (vllm serve) and adds
 #             `--use_vllm --vllm_mode server --vllm_server_host H --vllm_server_port P` to train.py. With SLURM the
-#             last node serves and the others train; on one node the GPUs in VLLM_SERVER_GPUS (default: the last
-#             one) serve and the rest train. Pass the same model to train.py with --model. The weight push goes
-#             through --vllm_sync_dir, which must be on a filesystem both sides see.
+#             last node serves and the others train; on one node the last VLLM_SERVER_GPUS (default 1) of the
+#             visible GPUs (CUDA_VISIBLE_DEVICES, else all) serve and the rest train; with one GPU both share it,
+#             the server taking VLLM_SERVER_GPU_MEMORY_UTILIZATION (default 0.3) of its memory. Pass the same model
+#             to train.py with --model. The server listens only on the address the trainers use (127.0.0.1 on one
+#             node) and requires VLLM_API_KEY (a random one is made if unset), which train.py sends: its weight-push
+#             endpoints (VLLM_SERVER_DEV_MODE) can load any weights, so keep it on a private network.
 # Environment: NPROC_PER_NODE (processes per node), MASTER_ADDR (rendezvous host, default: first node),
-#              MASTER_PORT (rendezvous port, default 29500), NNODES (override SLURM_NNODES),
-#              VLLM_SERVER_MODEL, VLLM_SERVER_PORT (default 8000), VLLM_SERVER_GPUS, VLLM_SERVER_ARGS (extra flags).
+#              MASTER_PORT (rendezvous port, default 29500), NNODES (override SLURM_NNODES), RLOO_GPU_COUNT
+#              (override the GPU count), VLLM_SERVER_MODEL, VLLM_SERVER_PORT (default 8000), VLLM_SERVER_GPUS,
+#              VLLM_SERVER_GPU_MEMORY_UTILIZATION, VLLM_SERVER_ARGS (extra flags), VLLM_API_KEY.
 # --dry-run prints the commands instead of running them.
 set -euo pipefail
 cd "$(dirname "$0")"
 
 dry_run=0
 if [[ "${1:-}" == "--dry-run" ]]; then dry_run=1; shift; fi
-if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
 
-gpus=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+gpus=${RLOO_GPU_COUNT:-$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)}
 nnodes=${NNODES:-${SLURM_NNODES:-1}}
 port=${MASTER_PORT:-29500}
 vllm_port=${VLLM_SERVER_PORT:-8000}
@@ -33,22 +37,43 @@ train_env=()
 
 if [[ -n "${VLLM_SERVER_MODEL:-}" ]]; then
   # the engine's own OpenAI-compatible server; dev mode exposes /collective_rpc for the weight push
+  export VLLM_API_KEY=${VLLM_API_KEY:-$(python -c "import secrets; print(secrets.token_hex(16))")}
   server=(env VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model "$VLLM_SERVER_MODEL"
-          --host 0.0.0.0 --port "$vllm_port" --logprobs-mode processed_logprobs --generation-config vllm
-          ${VLLM_SERVER_ARGS:-})
+          --port "$vllm_port" --logprobs-mode processed_logprobs --generation-config vllm ${VLLM_SERVER_ARGS:-})
+  # trainer rank 0 pushes weights over NCCL into the server's workers (vLLM's weight-transfer engine) on GPUs
+  (( gpus > 0 )) && server+=(--weight-transfer-config '{"backend": "nccl"}')
   if (( nnodes > 1 )); then
     nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
     server_host=${nodes[$((nnodes - 1))]}
-    server=(srun --nodes=1 --ntasks=1 --nodelist="$server_host" "${server[@]}")
+    server=(srun --nodes=1 --ntasks=1 --nodelist="$server_host" "${server[@]}" --host "$server_host")
     nnodes=$((nnodes - 1))
     train_nodes=$(IFS=,; echo "${nodes[*]:0:$nnodes}")
   else
     server_host=127.0.0.1
-    server_gpus=${VLLM_SERVER_GPUS:-$(( gpus > 0 ? gpus - 1 : 0 ))}
-    train_gpus=$(python -c "import sys; s=set(sys.argv[1].split(',')); print(','.join(str(i) for i in range(int(sys.argv[2])) if str(i) not in s))" "$server_gpus" "$gpus")
-    server=(env CUDA_VISIBLE_DEVICES="$server_gpus" "${server[@]}")
-    train_env=(env CUDA_VISIBLE_DEVICES="$train_gpus")
-    gpus=$(( gpus > 1 ? gpus - $(tr ',' '\n' <<< "$server_gpus" | wc -l) : gpus ))
+    server+=(--host "$server_host")
+    # positions in the visible list, not physical ids: CUDA_VISIBLE_DEVICES=4,5,6,7 means GPUs 4-7 are ours
+    if [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then IFS=, read -r -a visible <<< "$CUDA_VISIBLE_DEVICES"
+    else visible=($(seq 0 $(( gpus - 1 )))); fi
+    serving=${VLLM_SERVER_GPUS:-1}
+    if (( ${#visible[@]} == 1 )); then
+      echo "launch.sh: one GPU (${visible[0]}): the vLLM server and the trainer share it; the server takes" \
+           "${VLLM_SERVER_GPU_MEMORY_UTILIZATION:-0.3} of its memory (VLLM_SERVER_GPU_MEMORY_UTILIZATION)" >&2
+      server=(env CUDA_VISIBLE_DEVICES="${visible[0]}" "${server[@]}"
+              --gpu-memory-utilization "${VLLM_SERVER_GPU_MEMORY_UTILIZATION:-0.3}")
+      train_env=(env CUDA_VISIBLE_DEVICES="${visible[0]}")
+    elif (( ${#visible[@]} > 1 )); then
+      if (( serving >= ${#visible[@]} )); then
+        echo "error: VLLM_SERVER_GPUS=$serving leaves none of the ${#visible[@]} visible GPUs to train on;" \
+             "serve on fewer" >&2
+        exit 2
+      fi
+      n_train=$(( ${#visible[@]} - serving ))
+      server_list=$(IFS=,; echo "${visible[*]:$n_train}")
+      server=(env CUDA_VISIBLE_DEVICES="$server_list" "${server[@]}")
+      (( serving > 1 )) && server+=(--tensor-parallel-size "$serving")
+      train_env=(env CUDA_VISIBLE_DEVICES="$(IFS=,; echo "${visible[*]:0:$n_train}")")
+      gpus=$n_train
+    fi
   fi
   set -- "$@" --use_vllm --vllm_mode server --vllm_server_host "$server_host" --vllm_server_port "$vllm_port"
 fi

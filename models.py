@@ -9,12 +9,14 @@ import os
 import re
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer,
                           PreTrainedModel)
 
 import distributed
 from config import fail
+from rollout import base_of
 
 
 def loading(cfg):
@@ -84,9 +86,20 @@ def disable_dropout(model):
                     setattr(owner, key, 0.0)
 
 
-def prepare_model(model, cfg, trainable):
+def sharded(cfg):
+    """FSDP2 for N processes, and for one process under --bf16: its MixedPrecisionPolicy (bf16 parameters and
+    activations, fp32 master weights and gradients) is then the one precision scheme at every world size. Not for a
+    4-bit base, whose packed weights FSDP2 cannot shard (bitsandbytes computes in bf16 itself)."""
+    return dist.is_initialized() and (distributed.world_size() > 1 or cfg.bf16) and not cfg.load_in_4bit
+
+
+def prepare_model(model, cfg, trainable, device=torch.device("cpu")):
     """Dropout off, train mode (from_pretrained returns a model in eval mode, and Hugging Face layers checkpoint
-    only in train mode) with gradient checkpointing, or frozen in eval mode; FSDP2 sharding."""
+    only in train mode) with gradient checkpointing, or frozen in eval mode; on the device, FSDP2-sharded.
+
+    Frozen weights under --bf16 are stored in bf16 (a reference, reward models, a LoRA base): autocast or a
+    mixed-precision policy would cast them again on every forward. Sharded models go to the device one layer at a
+    time, inside fully_shard, so no rank ever holds the whole model on its GPU."""
     disable_dropout(model)
     if trainable:
         model.train()
@@ -94,23 +107,44 @@ def prepare_model(model, cfg, trainable):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.requires_grad_(False).eval()
-    if distributed.world_size() > 1:
-        # Shard each decoder layer, then the root (embeddings, head, tied weights). Params and compute in bf16,
-        # gradient reduction in fp32 (README 'Checkpoints, resume, multi-node': memory).
-        options = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cfg.bf16 else None,
-                                                      reduce_dtype=torch.float32))
-        if cfg.cpu_offload:  # params, grads and optimizer state live in CPU memory; the optimizer steps on the CPU
-            options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-        layer_types = {name for m in model.modules() if isinstance(m, PreTrainedModel)  # a VLM's towers list their own
-                       for name in getattr(m, "_no_split_modules", None) or ()}
-        for module in model.modules():
-            if type(module).__name__ in layer_types:
-                fully_shard(module, **options)
-        fully_shard(model, **options)
-        if trainable:  # the policy's generate() is a root forward too: VLMs encode images (in sharded towers)
-            register_fsdp_forward_method(model, "generate")  # before the root's own first forward, which must be first
+    head = lm_head_in_fp32(model) if cfg.cast_lm_head_to_fp32 else None
+    head_params = set(head.parameters()) if head is not None else set()
+    if cfg.bf16 and not cfg.load_in_4bit:
+        for param in model.parameters():
+            if not param.requires_grad and param.is_floating_point() and param not in head_params:
+                param.data = param.data.to(torch.bfloat16)
+    if not sharded(cfg):
+        return model.to(device)
+    # Shard each decoder layer, then the root (embeddings, head, tied weights). Params and compute in bf16,
+    # gradient reduction in fp32 (README 'Checkpoints, resume, multi-node': memory).
+    options = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cfg.bf16 else None,
+                                                  reduce_dtype=torch.float32))
+    if cfg.cpu_offload:  # params, grads and optimizer state live in CPU memory; the optimizer steps on the CPU
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    layer_types = {name for m in model.modules() if isinstance(m, PreTrainedModel)  # a VLM's towers list their own
+                   for name in getattr(m, "_no_split_modules", None) or ()}
+    for module in model.modules():
+        if type(module).__name__ in layer_types:
+            fully_shard(module, **options)
+    if head is not None:  # its own group: gathered and computed in fp32
+        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        fully_shard(head, **{**options, "mp_policy": fp32})
+    fully_shard(model, **options)
+    if trainable:  # the policy's generate() is a root forward too: VLMs encode images (in sharded towers)
+        register_fsdp_forward_method(model, "generate")  # before the root's own first forward, which must be first
     return model
 
+
+def lm_head_in_fp32(model):
+    """--cast_lm_head_to_fp32: the head's weights in fp32 and its input cast to fp32, so the logits are fp32 (as TRL's
+    GRPO does). A head tied to the input embeddings would turn every activation fp32: refused."""
+    base = base_of(model)
+    if base.config.get_text_config().tie_word_embeddings:
+        fail("--cast_lm_head_to_fp32 needs a model whose LM head is not tied to its input embeddings "
+             "(tie_word_embeddings is true for this one); drop the flag")
+    head = base.get_output_embeddings().float()
+    head.register_forward_pre_hook(lambda module, args: (args[0].float(), *args[1:]))
+    return head
 
 
 NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)", re.IGNORECASE)
@@ -123,12 +157,6 @@ def make_optimizer(model, cfg):
     groups = [{"params": [p for name, p in params if not NO_DECAY.search(name)], "weight_decay": cfg.weight_decay},
               {"params": [p for name, p in params if NO_DECAY.search(name)], "weight_decay": 0.0}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.learning_rate, fused=True)
-
-
-def bf16_autocast(cfg, device):
-    """--bf16 in one process: autocast over the fp32 weights (FSDP2's MixedPrecisionPolicy casts when sharded)."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16 and distributed.world_size() == 1)
-
 
 
 @torch.no_grad()

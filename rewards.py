@@ -133,7 +133,7 @@ def load_reward_func(spec, prepare_model=None, device="cpu"):
             raise ValueError(f"{source!r} has no function {name!r} (reward function {spec!r})")
         return getattr(module, name)
     if looks_like_model(spec):
-        return reward_model(spec, prepare_model or (lambda m: m), device)
+        return reward_model(spec, prepare_model or (lambda m: m.to(device)), device)
     raise ValueError(f"unknown reward function {spec!r}: use a built-in ({', '.join(BUILTINS)}), "
                      "'module:function', 'file.py:function', or the path of a sequence-classification model")
 
@@ -152,7 +152,7 @@ def reward_model(path, prepare_model, device):
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "right"
     model.config.pad_token_id = tokenizer.pad_token_id  # the model scores the last non-pad token
-    model = prepare_model(model.to(device))
+    model = prepare_model(model)
 
     @torch.no_grad()
     def score(prompts, completions, **kwargs):

@@ -8,11 +8,13 @@ distribution, log softmax(logits / temperature)[o_t]. In fp32 they are the "old"
 differ from TRL, on purpose'). vLLM generation and its weight push are in vllm_rollout.py; rewards in rewards.py.
 """
 import io
-from contextlib import contextmanager
+import weakref
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch.distributed.fsdp import FSDPModule
-from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
+from torch.utils.checkpoint import checkpoint
+from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList, StaticCache
 from transformers.cache_utils import DynamicLayer
 from transformers.generation.logits_process import (
     MinNewTokensLengthLogitsProcessor,
@@ -163,6 +165,8 @@ class RecordLogps(LogitsProcessor):
         return torch.cat(self.step_logps + [self.last.gather(-1, completion_ids[:, -1:])], dim=1)
 
 
+
+
 # --generation_kwargs both generators implement, with vLLM SamplingParams' names and meaning: EOS (and stop ids)
 # suppressed until min_tokens completion tokens; OpenAI's penalties over the completion so far; extra stop ids.
 GENERATION_KWARGS = ("min_tokens", "presence_penalty", "frequency_penalty", "stop_token_ids")
@@ -217,10 +221,12 @@ def completion_masks(completion_ids, eos_ids, pad_id):
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompts, cfg, device, processor=None, images=None):
+def generate(model, tokenizer, prompts, cfg, device, processor=None, images=None, seed=None):
     """Sample cfg.num_generations completions for each prompt (a string or a conversation), group members adjacent.
     Vision-language: `images` holds each prompt's images and `processor` prepares them with the texts.
-    The model runs in the caller's precision: under the trainer's bf16 autocast when --bf16 is on.
+    The model runs in its own precision (bf16 parameters under FSDP2's mixed precision with --bf16).
+    seed: the samples of text models are a function of it and of each row (None: drawn from torch's RNG), so decoding
+    in chunks of --generation_chunk_size rows gives the samples of one call.
 
     Returns a dict of tensors (B = len(prompts) * G; L = longest prompt, T = longest completion):
       prompt_ids, prompt_mask [B, L] (left-padded), completion_ids [B, T] (right-padded after EOS),
@@ -238,22 +244,59 @@ def generate(model, tokenizer, prompts, cfg, device, processor=None, images=None
         pixel_inputs = rows_inputs(slice(None))
         prompt_ids, prompt_mask = pixel_inputs.pop("input_ids"), pixel_inputs.pop("attention_mask")  # [B, L]
     eos_ids = eos_token_ids(tokenizer, model, cfg)
+    pad_id = tokenizer.pad_token_id
 
     was_training = model.training
     model.eval()
     try:
         with unsharded(model):
             if images is None:
-                completion_ids, sampler_logps = decode(model, prompt_ids, prompt_mask, cfg, eos_ids,
-                                                       tokenizer.pad_token_id)
+                keys = row_keys(seed, len(prompt_ids), device)
+                chunks = [decode(model, prompt_ids[rows], prompt_mask[rows], cfg, eos_ids, pad_id, keys[rows])
+                          for rows in micro_batches(len(prompt_ids), cfg.generation_chunk_size or len(prompt_ids))]
+                completion_ids = pad_right([ids for ids, _ in chunks], pad_id)  # [B, T]
+                sampler_logps = pad_right([logps for _, logps in chunks], 0.0)  # [B, T]
             else:
                 inputs = dict(input_ids=prompt_ids, attention_mask=prompt_mask, **pixel_inputs)
-                completion_ids, sampler_logps = generate_hf(model, inputs, cfg, eos_ids, tokenizer.pad_token_id,
+                completion_ids, sampler_logps = generate_hf(model, inputs, cfg, eos_ids, pad_id,
                                                             image_token_ids(processor))
     finally:
         model.train(was_training)
-    batch = finish_batch(prompt_ids, prompt_mask, completion_ids, sampler_logps, eos_ids, tokenizer.pad_token_id)
+    batch = finish_batch(prompt_ids, prompt_mask, completion_ids, sampler_logps, eos_ids, pad_id)
     return batch if images is None else with_pixel_inputs(batch, processor, rows_inputs, device)
+
+
+def pad_right(pieces, value):
+    """[b_i, T_i] pieces -> one [sum b_i, max T_i] tensor, padded on the right with value."""
+    width = max(p.shape[1] for p in pieces)
+    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=value) for p in pieces])
+
+
+# splitmix64 (Steele et al. 2014) in int64 arithmetic, which wraps as uint64 does; the shifts are masked to act as
+# logical ones. Counter-based: the noise of (row, step, token) needs no generator state.
+GOLDEN, MIX1, MIX2 = -7046029254386353131, -4658895280553007687, -7723592293110705685
+
+
+def splitmix(x):
+    x = (x ^ ((x >> 30) & (2**34 - 1))) * MIX1
+    x = (x ^ ((x >> 27) & (2**37 - 1))) * MIX2
+    return x ^ ((x >> 31) & (2**33 - 1))
+
+
+def row_keys(seed, num_rows, device):
+    """One int64 key per completion row, from the call's seed (None: a draw from torch's checkpointed RNG).  [B]"""
+    if seed is None:
+        seed = int(torch.randint(2**62, ()).item())
+    rows = torch.arange(1, num_rows + 1, device=device)
+    return splitmix(splitmix(torch.tensor(seed % 2**62, device=device)) + rows * GOLDEN)
+
+
+def exponential_noise(keys, t, vocab_size):
+    """Exp(1) draws [B, V]: -log U with U a pure function of (row key, step t, token) on a 24-bit grid in (0, 1)."""
+    tokens = torch.arange(vocab_size, device=keys.device)
+    bits = splitmix(keys[:, None] + (t * vocab_size + tokens + 1) * GOLDEN)
+    uniform = ((bits >> 40) & (2**24 - 1)).float().add_(0.5).mul_(2.0**-24)
+    return uniform.log_().neg_()
 
 
 class KVBuffer(DynamicLayer):
@@ -278,40 +321,82 @@ class KVBuffer(DynamicLayer):
         return self.keys, self.values
 
 
-def decode(model, prompt_ids, prompt_mask, cfg, eos_ids, pad_id):
+# A host sync (has every row ended?) every this many tokens: on a GPU each one drains the queue of launched kernels.
+END_CHECK_EVERY = 8
+
+
+def decode(model, prompt_ids, prompt_mask, cfg, eos_ids, pad_id, keys, static=None):
     """Text models: HF generate's sampling without its per-token bookkeeping (a third of a small model's decode step
     on CPU). One forward per token on the model's KV cache; HF's own processors, in order; log pi_T of each token
-    recorded from the raw logits; rows that ended get padding; stops when every row has ended.
+    recorded from the raw logits; rows that ended get padding; stops once every row has ended (checked every
+    END_CHECK_EVERY tokens). Ids and mask live in buffers sized for the whole generation. On a GPU the cache is
+    static (shapes fixed for the call, so --compile_decode can capture the step in a CUDA graph).
+    keys [B]: each row's noise key (row_keys); static: None = on a GPU or when compiling.
     Returns completion_ids [B, T] and their log pi_T [B, T]."""
+    B, L = prompt_ids.shape
+    T = cfg.max_completion_length
+    if static is None:
+        static = prompt_ids.device.type == "cuda" or cfg.compile_decode
+    width = round_up(L + T, 256) if static else L + T  # few distinct shapes: few compilations
     processors = sampling_processors(cfg, prompt_ids, eos_ids)
     eos = torch.tensor(eos_ids, device=prompt_ids.device)
-    ids, mask = prompt_ids, prompt_mask
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: each prompt starts at position 0
-    ended = torch.zeros(len(ids), dtype=torch.bool, device=ids.device)
-    cache = DynamicCache(config=model.config)  # what the model would build, but its full-attention layers preallocated
-    cache.layers = [KVBuffer(ids.shape[1] + cfg.max_completion_length) if type(layer) is DynamicLayer else layer
-                    for layer in cache.layers]
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
-                logits_to_keep=1)
-    logps = []
-    for t in range(cfg.max_completion_length):
+    ids = torch.cat([prompt_ids, prompt_ids.new_full((B, width - L), pad_id)], 1)  # [B, width]
+    mask = torch.cat([prompt_mask, prompt_mask.new_zeros((B, width - L))], 1)  # [B, width]
+    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: each prompt starts at position 0
+    cache = kv_cache(model, width, static)
+    out = model(input_ids=prompt_ids, attention_mask=mask if static else prompt_mask, position_ids=positions,
+                past_key_values=cache, use_cache=True, logits_to_keep=1)
+    step = decode_step(model, cfg)
+    positions = positions[:, -1:] + 1  # [B, 1]
+    logps = torch.zeros(B, T, device=prompt_ids.device)  # [B, T]
+    ended = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
+    for t in range(T):
         logits = out.logits[:, -1].float()  # [B, V]
         scores = logits
         for process in processors:
-            scores = process(ids, scores)
+            scores = process(ids[:, :L + t], scores)
+        # torch.multinomial's own method, argmax p / E with E ~ Exp(1) (3x faster on CPU), E from the row's key
         probs = torch.softmax(scores, -1)
-        # torch.multinomial's own method, argmax p / E with E ~ Exp(1), drawn as -log U: 3x faster on CPU
-        token = (probs / torch.rand_like(probs).log_().neg_()).argmax(-1, keepdim=True)  # [B, 1]
-        token = token.masked_fill(ended[:, None], pad_id)
-        logps.append(torch.log_softmax(logits / cfg.temperature, -1).gather(-1, token))
-        ids = torch.cat([ids, token], 1)
-        ended |= torch.isin(token[:, 0], eos)
-        if t + 1 == cfg.max_completion_length or ended.all():
+        token = (probs / exponential_noise(keys, t, probs.shape[-1])).argmax(-1)  # [B]
+        token = token.masked_fill(ended, pad_id)
+        logps[:, t] = torch.log_softmax(logits / cfg.temperature, -1).gather(-1, token[:, None])[:, 0]
+        ids[:, L + t] = token
+        ended |= torch.isin(token, eos)
+        if t + 1 == T or (t + 1) % END_CHECK_EVERY == 0 and ended.all():
             break
-        mask, positions = torch.cat([mask, torch.ones_like(token)], 1), positions[:, -1:] + 1
-        out = model(input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                    use_cache=True)
-    return ids[:, prompt_ids.shape[1]:], torch.cat(logps, 1)
+        mask[:, L + t] = 1
+        out = step(input_ids=ids[:, L + t:L + t + 1], attention_mask=mask if static else mask[:, :L + t + 1],
+                   position_ids=positions, past_key_values=cache, use_cache=True)
+        positions = positions + 1
+    return ids[:, L:L + t + 1], logps[:, :t + 1]
+
+
+def round_up(n, multiple):
+    return -(-n // multiple) * multiple
+
+
+def kv_cache(model, capacity, static):
+    """The cache the model would build, its full-attention layers preallocated for `capacity` tokens: HF's
+    StaticCache (fixed shapes) or KVBuffer (views that grow, so attention spans only the tokens so far)."""
+    if static:
+        return StaticCache(config=model.config, max_cache_len=capacity)
+    cache = DynamicCache(config=model.config)
+    cache.layers = [KVBuffer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
+COMPILED_STEPS = weakref.WeakKeyDictionary()
+
+
+def decode_step(model, cfg):
+    """The per-token forward: the model itself, or with --compile_decode its torch.compile (CUDA graphs on a GPU,
+    mode reduce-overhead), compiled once per model and reused while shapes repeat."""
+    if not cfg.compile_decode:
+        return model
+    if model not in COMPILED_STEPS:
+        mode = "reduce-overhead" if next(model.parameters()).device.type == "cuda" else None
+        COMPILED_STEPS[model] = torch.compile(model, mode=mode, dynamic=False)
+    return COMPILED_STEPS[model]
 
 
 def generate_hf(model, inputs, cfg, eos_ids, pad_id, suppress):
@@ -352,6 +437,9 @@ def finish_batch(prompt_ids, prompt_mask, completion_ids, sampler_logps, eos_ids
     """Both backends end here: cut completions at the first EOS, mask, and list the unpadded ids for the rewards."""
     completion_ids, completion_mask, truncated = completion_masks(completion_ids, eos_ids, pad_id)
     lengths = completion_mask.sum(-1).tolist()
+    width = max(lengths)  # the decode loop may run a few tokens past the last row's EOS (END_CHECK_EVERY)
+    completion_ids, completion_mask = completion_ids[:, :width], completion_mask[:, :width]
+    sampler_logps = None if sampler_logps is None else sampler_logps[:, :width]
     batch = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
                  completion_mask=completion_mask, truncated=truncated,
                  completion_lists=[ids[:n] for ids, n in zip(completion_ids.tolist(), lengths)])
@@ -361,13 +449,10 @@ def finish_batch(prompt_ids, prompt_mask, completion_ids, sampler_logps, eos_ids
 
 
 def hf_generator(cfg, model, tokenizer, processor, device):
-    """The generator without vLLM: generate(prompts, images) -> batch. It samples in the precision the
-    trainer scores in (bf16 autocast under --bf16) and from the policy's live weights, so there is nothing to push."""
-    from models import bf16_autocast
-
-    def generate_from_policy(prompts, images=None, seed=None):  # sampled from the global RNG (checkpointed): no seed
-        with bf16_autocast(cfg, device):
-            return generate(model, tokenizer, prompts, cfg, device, processor, images)
+    """The generator without vLLM: generate(prompts, images, seed) -> batch. It samples in the precision the
+    trainer scores in and from the policy's live weights, so there is nothing to push."""
+    def generate_from_policy(prompts, images=None, seed=None):
+        return generate(model, tokenizer, prompts, cfg, device, processor, images, seed)
 
     return generate_from_policy
 
@@ -396,12 +481,13 @@ def micro_batches(batch_size, micro_size):
     return [slice(i, i + micro_size) for i in range(0, batch_size, micro_size)]
 
 
-def forward_logps(model, batch, rows, temperature, autocast):
+def forward_logps(model, batch, rows, temperature, chunked=None):
     """Per-token log pi_T and entropy of the completion tokens of batch[rows], padding trimmed to these rows.
 
-    Position ids follow the left padding (as in generate), and logits are computed for completion positions only.
-    Vision-language batches also pass the rows' pixel inputs; models with multimodal rotary positions (Qwen2-VL's
-    get_rope_index) derive the positions themselves from the ids, the images and the attention mask.
+    Position ids follow the left padding (as in generate), and the head runs on completion positions only, in
+    chunks through LogpsHead (the [b, T, V] logits never exist; chunked=False: the model's own head, for models that
+    post-process their logits). Vision-language batches also pass the rows' pixel inputs; models with multimodal
+    rotary positions (Qwen2-VL's get_rope_index) derive the positions from the ids, the images and the mask.
     """
     prompt_mask, completion_mask = batch["prompt_mask"][rows], batch["completion_mask"][rows]
     prompt_len, completion_len = int(prompt_mask.sum(-1).max()), int(completion_mask.sum(-1).max())
@@ -419,25 +505,88 @@ def forward_logps(model, batch, rows, temperature, autocast):
                 pixel_inputs[key] = torch.cat([pixel_inputs[key], torch.zeros_like(completion_ids)], 1)
         if hasattr(getattr(model, "model", None), "get_rope_index"):
             position_ids = None
-    with autocast:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       logits_to_keep=completion_len + 1, use_cache=False, **pixel_inputs).logits[:, :-1]  # [b, T, V]
-    if "suppressed_ids" in batch:  # VLM: the sampler's distribution has no image placeholders; finite, for entropy
-        logits = logits.index_fill(-1, batch["suppressed_ids"], -1e30)
-    logps, entropy = token_logps_and_entropy(logits, completion_ids, temperature)  # [b, T]
-    return logps, entropy, completion_len
+    head = LogpsHead(completion_ids, temperature, batch.get("suppressed_ids"))
+    chunked = plain_head(model) if chunked is None else chunked
+    with swapped_head(model, head) if chunked else nullcontext():
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                    logits_to_keep=completion_len + 1, use_cache=False, **pixel_inputs).logits  # [b, T + 1, ...]
+    per_token = out if chunked else head.score(out[:, :-1], completion_ids)  # [b, T, 2]
+    return per_token[..., 0], per_token[..., 1], completion_len
+
+
+# fp32 elements of one chunk's logits in LogpsHead (64 MB)
+HEAD_CHUNK_ELEMENTS = 2**24
+
+
+class LogpsHead(torch.nn.Module):
+    """Stands in for the LM head in a training forward: hidden states [b, T + 1, H] -> [b, T, 2], the log pi_T and
+    entropy of each completion token, where the model expects logits. Chunks of positions go through the real head
+    one at a time and are recomputed in backward (torch.utils.checkpoint), so at most one chunk of logits is alive:
+    b * T * V * 8 bytes less (40 GB at b=8, T=4096, V=152k). Image placeholders (suppressed) are never sampled, so
+    they are not in the policy's distribution either (finite, for the entropy)."""
+
+    def __init__(self, targets, temperature, suppressed=None):
+        super().__init__()
+        self.targets, self.temperature, self.suppressed, self.lm_head = targets, temperature, suppressed, None
+
+    def forward(self, hidden):
+        hidden = hidden[:, :-1]  # position t predicts targets[:, t]
+        width = max(1, HEAD_CHUNK_ELEMENTS // (hidden.shape[0] * self.lm_head.weight.shape[0]))
+        pieces = []
+        for start in range(0, hidden.shape[1], width):
+            args = (hidden[:, start:start + width], self.targets[:, start:start + width])
+            pieces.append(checkpoint(self.chunk, *args, use_reentrant=False) if torch.is_grad_enabled()
+                          else self.chunk(*args))
+        return torch.cat(pieces, 1)
+
+    def chunk(self, hidden, targets):
+        return self.score(self.lm_head(hidden), targets)
+
+    def score(self, logits, targets):
+        """logits [b, t, V] -> [b, t, 2] (log pi_T, entropy) of the targets."""
+        if self.suppressed is not None:
+            logits = logits.index_fill(-1, self.suppressed, -1e30)
+        return torch.stack(token_logps_and_entropy(logits, targets, self.temperature), -1)
+
+
+def base_of(model):
+    """The transformers model under peft's wrapper."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+@contextmanager
+def swapped_head(model, head):
+    """The model with `head` in place of its LM head (the real one as head.lm_head) for one forward. FSDP2 keeps
+    managing the real head's parameters: they are unsharded during the root's forward and backward."""
+    base = base_of(model)
+    head.lm_head = base.get_output_embeddings()
+    base.set_output_embeddings(head)
+    try:
+        yield
+    finally:
+        base.set_output_embeddings(head.lm_head)
+
+
+# config fields with which a model transforms its head's output (softcapping, scales): LogpsHead would skip them
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
+                    "logits_scaling")
+
+
+def plain_head(model):
+    """Whether the model's logits are its LM head's output as they are, so LogpsHead can stand in for the head."""
+    config = base_of(model).config.get_text_config()
+    return all(getattr(config, name, None) in (None, 1, 1.0) for name in LOGIT_TRANSFORMS)
 
 
 @torch.no_grad()
-def batch_logps(model, batch, cfg, autocast):
+def batch_logps(model, batch, cfg):
     """log pi_T of every completion token from a no-grad forward, in training's micro-batches (so that two models
     with equal weights give bitwise-equal numbers, which bf16 kernels of other batch shapes do not).  [B, T]"""
     was_training = model.training
     model.eval()
     logps = torch.zeros(batch["completion_ids"].shape, device=batch["completion_ids"].device)
     for mb in micro_batches(len(logps), cfg.per_device_train_batch_size):
-        mb_logps, _, T = forward_logps(model, batch, mb, cfg.temperature, autocast)
+        mb_logps, _, T = forward_logps(model, batch, mb, cfg.temperature)
         logps[mb, :T] = mb_logps
     model.train(was_training)
     return logps
-

@@ -34,7 +34,7 @@ import rollout
 from batches import batch_source
 from config import EMBEDDED_PRESET, Config, check_config, fail, parse_config  # noqa: F401 (tests use them)
 from metrics import Logger, generation_metrics, show_samples, timed
-from models import bf16_autocast, load_model, loading, make_optimizer, prepare_model
+from models import load_model, loading, make_optimizer, prepare_model
 from rloo import combine_rewards, has_baseline, normalize_advantages, rloo_advantages, rloo_loss, sequence_kl
 
 
@@ -62,9 +62,9 @@ def load_models(cfg, dataset, vision, device):
     data.check_data(dataset, tokenizer, processor, model, cfg)
     if cfg.use_peft:
         model = lora.add_adapter(model, lora.settings(cfg))
-    model = prepare_model(model.to(device), cfg, trainable=True)
+    model = prepare_model(model, cfg, trainable=True, device=device)
     if ref_model is not None:
-        ref_model = prepare_model(ref_model.to(device), cfg, trainable=False)
+        ref_model = prepare_model(ref_model, cfg, trainable=False, device=device)
     return model, ref_model, tokenizer, processor, dataset
 
 
@@ -73,7 +73,7 @@ def load_rewards(cfg, device):
     funcs = []
     for spec in cfg.reward_funcs:
         try:
-            funcs.append(rewards_lib.load_reward_func(spec, lambda m: prepare_model(m, cfg, trainable=False), device))
+            funcs.append(rewards_lib.load_reward_func(spec, lambda m: prepare_model(m, cfg, False, device), device))
         except ValueError as e:
             fail(str(e))
     return funcs
@@ -87,7 +87,9 @@ def start_generator(cfg, model, tokenizer, processor, dataset, device):
         import vllm_rollout
 
         max_images = data.max_images_per_row(dataset) if processor else 0
-        generate, stop, push = vllm_rollout.start(cfg, model, tokenizer, processor, device, max_images)
+        longest = None if processor else data.longest_prompt(dataset, tokenizer, cfg)  # images add tokens
+        max_model_len = longest and longest + cfg.max_completion_length
+        generate, stop, push = vllm_rollout.start(cfg, model, tokenizer, processor, device, max_images, max_model_len)
     else:
         generate, stop, push = rollout.hf_generator(cfg, model, tokenizer, processor, device), None, None
     return rows_generator(generate, tokenizer, processor), stop or (lambda: None), push
@@ -161,11 +163,10 @@ def score(cfg, batch, rows, reward_funcs, model, ref_model, step):
     kl_sums, logps = None, {}
     with timed(timings, "time/reference"):
         if cfg.beta > 0:  # r = R - beta * kl, k1 with log pi_old the sampler's where exact (paper §3)
-            autocast = bf16_autocast(cfg, loss_mask.device)
             logps["old_logps"] = (batch["sampler_logps"] if old_logps_from_sampler(cfg, "pixel_inputs" in batch)
-                                  else rollout.batch_logps(model, batch, cfg, autocast))  # [B, T]
+                                  else rollout.batch_logps(model, batch, cfg))  # [B, T]
             with lora.reference(model, ref_model) as reference:
-                logps["ref_logps"] = rollout.batch_logps(reference, batch, cfg, autocast)  # [B, T]
+                logps["ref_logps"] = rollout.batch_logps(reference, batch, cfg)  # [B, T]
             kl_sums = sequence_kl(logps["old_logps"], logps["ref_logps"], loss_mask)  # [B]
             rewards = rewards - cfg.beta * kl_sums
         advantages = rloo_advantages(rewards, G)  # [B]  A_i = r_i - mean_{j != i} r_j
@@ -187,7 +188,7 @@ def policy_step(cfg, model, optimizer, scheduler, batch, scored, old_logps=None)
     """
     loss_mask, advantages = scored["loss_mask"], scored["advantages"]
     eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
-    autocast, mbs = bf16_autocast(cfg, advantages.device), micro_batches_of(cfg, len(advantages))
+    mbs = micro_batches_of(cfg, len(advantages))
     sums = {name: advantages.new_zeros(()) for name in ("loss", "clipped_low", "clipped_high", "entropy", "tokens",
                                                          "sequences")}
     if old_logps is None and "sampler_logps" in batch:
@@ -199,7 +200,7 @@ def policy_step(cfg, model, optimizer, scheduler, batch, scored, old_logps=None)
         for i, mb in enumerate(mbs):
             if isinstance(model, FSDPModule):  # reduce-scatter gradients once, on the last micro-step
                 model.set_requires_gradient_sync(i == len(mbs) - 1)
-            logps, entropy, T = rollout.forward_logps(model, batch, mb, cfg.temperature, autocast)  # [b, T]
+            logps, entropy, T = rollout.forward_logps(model, batch, mb, cfg.temperature)  # [b, T]
             mask = loss_mask[mb, :T]
             seq_logps = (logps * mask).sum(-1)  # [b]  s_i = sum_t log pi(o_t)
             seq_old = seq_logps.detach() if old_logps is None else old_logps[mb]
@@ -370,7 +371,7 @@ def main(argv=None):
     if argv[:1] == ["export"]:
         return checkpoint.export_checkpoint(argv[1], argv[2] if len(argv) > 2 else argv[1] + "-hf")
     cfg = parse_config(argv)
-    device = distributed.setup_distributed()
+    device = distributed.setup_distributed(cfg.ddp_timeout)
     check_config(cfg)
     dataset, eval_dataset, vision = data.load_datasets(cfg)  # the data first: cheaper to find out it is wrong
     model, ref_model, tokenizer, processor, dataset = load_models(cfg, dataset, vision, device)

@@ -14,11 +14,13 @@ import functools
 import io
 import json
 import os
+import socket
 import time
 import urllib.error
 import urllib.request
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import distributed
 import lora
@@ -29,12 +31,13 @@ from rollout import (eos_token_ids, finish_batch, image_token_ids, left_pad, pix
                      sampler_logps_exact, tokenize_prompts, with_images, with_pixel_inputs)
 
 
-def start(cfg, model, tokenizer, processor, device, max_images=0):
-    """The generator of a --use_vllm run: (generate(prompts, images, seed) -> batch, stop(), push_weights()). Every
-    call first pushes the weights of the last optimizer step (the generator never samples from stale weights);
+def start(cfg, model, tokenizer, processor, device, max_images=0, max_model_len=None):
+    """The generator of a --use_vllm run: (generate(prompts, images, seed) -> batch, stop(), push_weights()). A call
+    first pushes the weights of the last optimizer step if an optimizer has stepped since the last push (the
+    generator never samples from stale weights, and a dynamic-sampling round pushes nothing new);
     batch["timings"] holds the seconds the push took (time/weight_sync). With --async_generation the caller pushes
     (batches.py) and generate only samples, from another thread."""
-    sample, push_weights, stop = connect(cfg, model, tokenizer, device, max_images)
+    sample, push_weights, stop = connect(cfg, model, tokenizer, device, max_images, max_model_len)
     generate = vllm_generator(sample, cfg, tokenizer, processor, eos_token_ids(tokenizer, model, cfg), device)
     if cfg.async_generation:
         return generate, stop, push_weights
@@ -50,18 +53,32 @@ def start(cfg, model, tokenizer, processor, device, max_images=0):
     return generate_with_new_weights, stop, push_weights
 
 
-def connect(cfg, model, tokenizer, device, max_images=0):
+def when_stale(push):
+    """push, run only when an optimizer has stepped since its last run (or if it never ran): the weights changed
+    exactly then. A global optimizer hook, so that it sees the run's optimizer whenever that is made."""
+    stale = [True]
+    register_optimizer_step_post_hook(lambda *args: stale.__setitem__(0, True))
+
+    def push_if_stale(force=False):
+        if stale[0] or force:
+            push()
+            stale[0] = False
+    return push_if_stale
+
+
+def connect(cfg, model, tokenizer, device, max_images=0, max_model_len=None):
     """The mode's three functions: sample(prompts, prompt_id_lists, images, sampling) -> [(token ids, log-probs)],
-    push_weights() and stop()."""
+    push_weights() (a no-op while the weights are those last pushed) and stop()."""
     if cfg.vllm_mode == "server":
-        return connect_server(cfg, model)
-    return connect_colocated(cfg, model, tokenizer, device, max_images)
+        return connect_server(cfg, model, device)
+    return connect_colocated(cfg, model, tokenizer, device, max_images, max_model_len)
 
 
-def connect_colocated(cfg, model, tokenizer, device, max_images):
+def connect_colocated(cfg, model, tokenizer, device, max_images, max_model_len):
     """An engine in this process, loaded from the model's files (the embedded model is saved first). With sleep mode
-    it wakes before each push (weights back from CPU, a fresh KV cache) and sleeps after sampling, so the memory is
-    training's in between."""
+    (TRL's sequence): asleep at level 2 (weights and KV cache freed: the push overwrites every weight anyway) except
+    while sampling; the push wakes the weights after emptying PyTorch's cache (vLLM's allocator cannot use memory
+    PyTorch's caching allocator still holds), sampling wakes the KV cache."""
     path = cfg.model
     if path is None:  # the architecture's files; the weights are pushed before every generation
         from data import embedded_task
@@ -72,41 +89,83 @@ def connect_colocated(cfg, model, tokenizer, device, max_images):
             tokenizer.save_pretrained(path)
         distributed.barrier()
     try:
-        engine = vllm_engine(cfg, path, device, max_images)
+        engine = vllm_engine(cfg, path, device, max_images, max_model_len)
     except RuntimeError as e:
         fail(str(e))
     tp_group = tensor_parallel_group(cfg)
+    sleep = cfg.vllm_enable_sleep_mode
+    weights_gone = [False]  # level 2 freed them: the next sampling needs a push even if none stepped
 
-    def push_weights():
-        if cfg.vllm_enable_sleep_mode:
-            engine.wake_up()
+    def push():
+        if sleep:
+            torch.cuda.empty_cache()
+            engine.wake_up(tags=["weights"])
         push_weights_colocate(engine, model)
 
+    push_if_stale = when_stale(push)
+
+    def push_weights():
+        push_if_stale(force=weights_gone[0])
+        weights_gone[0] = False
+
     def sample(prompts, prompt_id_lists, images, sampling):
+        if sleep:
+            push_weights()
+            engine.wake_up(tags=["kv_cache"])
         samples = colocated_samples(engine, tp_group, prompt_id_lists, images, sampling)
-        if cfg.vllm_enable_sleep_mode:
-            engine.sleep(level=1)  # offload weights, drop the KV cache
+        if sleep:
+            engine.sleep(level=2)
+            weights_gone[0] = True
         return samples
 
-    # the engine shares torch.distributed's default group and tears it down itself: it stops before the trainer
-    return sample, push_weights, lambda: engine.llm_engine.engine_core.shutdown()
+    if sleep:
+        engine.sleep(level=2)
+        weights_gone[0] = True
+    return sample, push_weights, lambda: stop_colocated(engine)
 
 
-def connect_server(cfg, model):
-    """A running `vllm serve`, once it answers its health check; the weights go through a shared directory."""
+def stop_colocated(engine):
+    """The engine and vLLM's process groups. It shares torch.distributed's default group and tears it down itself
+    (vLLM's cleanup_dist_env_and_memory), so it stops after the trainer's last collective."""
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    engine.llm_engine.engine_core.shutdown()
+    destroy_model_parallel()
+    destroy_distributed_environment()
+
+
+def connect_server(cfg, model, device):
+    """A running `vllm serve`, once it answers its health check. The weights go over NCCL (vLLM's weight-transfer
+    engine) on a GPU, else through a shared directory (--vllm_weight_sync)."""
     base_url = f"http://{cfg.vllm_server_host}:{cfg.vllm_server_port}"
     try:
         wait_for_server(base_url, cfg.vllm_server_timeout)
     except RuntimeError as e:
         fail(str(e))
-    sync_dir = os.path.abspath(cfg.vllm_sync_dir or os.path.join(cfg.output_dir, "vllm_weights"))
+    if weight_sync_mode(cfg, device) == "nccl":
+        push = nccl_pusher(cfg, model, base_url)
+    else:
+        sync_dir = os.path.abspath(cfg.vllm_sync_dir or os.path.join(cfg.output_dir, "vllm_weights"))
+        push = functools.partial(push_weights_server, base_url, model, sync_dir, push_dtype(cfg))
 
     def sample(prompts, prompt_id_lists, images, sampling):
         if images is not None:
             return server_chat(base_url, prompts, images, sampling, cfg.vllm_server_timeout, cfg.chat_template_kwargs)
         return server_generate(base_url, prompt_id_lists, sampling, cfg.vllm_server_timeout)
 
-    return sample, lambda: push_weights_server(base_url, model, sync_dir), lambda: None
+    return sample, when_stale(push), lambda: None
+
+
+def weight_sync_mode(cfg, device):
+    """--vllm_weight_sync auto: NCCL where the trainer has a GPU, the shared directory on CPU (NCCL needs CUDA)."""
+    if cfg.vllm_weight_sync != "auto":
+        return cfg.vllm_weight_sync
+    return "nccl" if device.type == "cuda" else "file"
+
+
+def push_dtype(cfg):
+    """The dtype weights travel in: the sampler's compute dtype (bf16 under --bf16), never more than the weights'."""
+    return torch.bfloat16 if cfg.bf16 else getattr(torch, weights_dtype(cfg))
 
 
 def tensor_parallel_group(cfg):
@@ -198,14 +257,17 @@ def vllm_logprobs_mode(cfg, vision=False):
     return "raw_logprobs" if cfg.temperature == 1.0 and not vision else "processed_logprobs"
 
 
-def vllm_engine(cfg, model_path, device, max_images=0):
+def vllm_engine(cfg, model_path, device, max_images=0, max_model_len=None):
     """Colocate: an engine inside this process sharing the device (under torchrun: external_launcher, one per rank).
-    max_images > 0: a vision-language model, prompts carry up to that many images."""
+    max_images > 0: a vision-language model, prompts carry up to that many images. max_model_len: the longest
+    prompt plus max_completion_length (--vllm_max_model_length wins; None: the model's own context)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # keep the engine in-process so weights can be pushed in memory
     from vllm import LLM, SamplingParams, TokensPrompt
 
     options = dict(model=model_path, dtype="bfloat16" if cfg.bf16 else weights_dtype(cfg),
-                   trust_remote_code=cfg.trust_remote_code, max_model_len=cfg.vllm_max_model_length,
+                   trust_remote_code=cfg.trust_remote_code, max_model_len=cfg.vllm_max_model_length or max_model_len,
+                   # the prefill chunk vLLM profiles its activations for: TRL's 4096, not 16384 on a shared GPU
+                   max_num_batched_tokens=cfg.vllm_max_num_batched_tokens,
                    # one seed per engine, shared by its tensor-parallel ranks
                    seed=cfg.seed + distributed.rank() // cfg.vllm_tensor_parallel_size,
                    tensor_parallel_size=cfg.vllm_tensor_parallel_size,
@@ -224,9 +286,13 @@ def vllm_engine(cfg, model_path, device, max_images=0):
         engine = LLM(**options)
         # one token now: what the backend cannot run (e.g. a head size the CPU attention kernel lacks) fails at
         # start-up, not at the first step
-        engine.generate([TokensPrompt(prompt_token_ids=[0])], SamplingParams(max_tokens=1), use_tqdm=False)
+        engine.generate([TokensPrompt(prompt_token_ids=[0] * 8)], SamplingParams(max_tokens=1), use_tqdm=False)
     except (RuntimeError, ValueError, NotImplementedError) as e:
         reason = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
+        if "Free memory on device" in str(e):  # vllm/v1/worker/utils.py request_memory
+            raise RuntimeError(f"vLLM wants --vllm_gpu_memory_utilization={cfg.vllm_gpu_memory_utilization} of the "
+                               f"GPU's memory but training already holds too much of it ({reason}): lower it, or "
+                               "train with --gradient_checkpointing / --use_peft, or use a vLLM server") from None
         if "max seq len" in str(e) and "KV cache" in str(e):
             where = ("--vllm_kv_cache_memory_bytes (now {})".format(cfg.vllm_kv_cache_memory_bytes)
                      if device.type == "cpu" else "--vllm_gpu_memory_utilization")
@@ -248,23 +314,32 @@ def vllm_sampling(cfg, eos_ids, logprobs):
 
 
 
-def full_weights(model):
-    """(name, full tensor) one at a time; FSDP2 shards are all-gathered in the same order on every rank.
-    state_dict, not named_parameters: a tied lm_head.weight must reach vLLM, which keeps its own copy of it."""
+def full_weights(model, tensors="state_dict"):
+    """(name, full tensor) one at a time; FSDP2 shards are all-gathered in the same order on every rank, on the GPU
+    (with --cpu_offload the shards live in host memory, and gathering them there would run on gloo).
+    tensors "state_dict": a tied lm_head.weight too (colocated vLLM keeps its own copy of it); "parameters": each
+    tensor once (vLLM's weight-transfer engine rejects a tied alias)."""
     from torch.distributed.tensor import DTensor
 
-    for name, tensor in model.state_dict().items():
-        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    items = model.state_dict().items() if tensors == "state_dict" else model.named_parameters()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    for name, tensor in items:
+        if isinstance(tensor, DTensor):
+            if device is not None and tensor.device != device:
+                tensor = DTensor.from_local(tensor.to_local().to(device), tensor.device_mesh, tensor.placements,
+                                            shape=tensor.shape, stride=tensor.stride())
+            tensor = tensor.full_tensor()
+        yield name, tensor.detach()
 
 
-def hf_full_weights(model):
+def hf_full_weights(model, tensors="state_dict"):
     """full_weights in the base architecture's names; with LoRA, merged (lora.hf_weights)."""
-    return lora.hf_weights(full_weights(model), model)
+    return lora.hf_weights(full_weights(model, tensors), model)
 
 
 def push_weights_colocate(engine, model):
-    """New policy weights into this rank's engine, in memory; then drop KV blocks and image features computed with
-    the old ones."""
+    """New policy weights into this rank's engine, in memory, the whole model in one reload (vLLM rebuilds fused
+    layers once all their parts arrived); then drop KV blocks and image features computed with the old ones."""
     runner = engine.llm_engine.model_executor.driver_worker.worker.model_runner
     runner.reload_weights(weights_iterator=hf_full_weights(model))
     engine.reset_prefix_cache()
@@ -275,9 +350,13 @@ def push_weights_colocate(engine, model):
 
 
 def http(url, payload=None, timeout=60.0, retries=2):
-    """JSON POST (or GET without payload). Connection errors retry a bounded number of times, then a clear error."""
+    """JSON POST (or GET without payload). Connection errors retry a bounded number of times, then a clear error.
+    With VLLM_API_KEY set (launch.sh sets it) the key goes along, as `vllm serve` then requires on /v1 routes."""
+    headers = {"Content-Type": "application/json"}
+    if os.environ.get("VLLM_API_KEY"):
+        headers["Authorization"] = "Bearer " + os.environ["VLLM_API_KEY"]
     request = urllib.request.Request(url, data=None if payload is None else json.dumps(payload).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers=headers)
     for attempt in range(retries + 1):
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
@@ -354,21 +433,83 @@ def server_model_name(base_url):
     return http(base_url + "/v1/models")["data"][0]["id"]
 
 
-def push_weights_server(base_url, model, sync_dir):
-    """Without NCCL between trainer and server: rank 0 writes the full weights as safetensors to a directory the
-    server can read (shared filesystem), the server reloads them in place, and its prefix and image-feature caches
-    are reset."""
+def push_weights_server(base_url, model, sync_dir, dtype):
+    """Without NCCL (a CPU trainer, or --vllm_weight_sync file): rank 0 writes the full weights in `dtype` as
+    safetensors to a directory the server can read (a shared filesystem), the server reloads them in place, and its
+    prefix and image-feature caches are reset."""
     from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    weights = {}
+    for name, tensor in hf_full_weights(model):  # every rank gathers; rank 0 keeps host copies
+        if distributed.is_main():
+            # a copy: tied tensors share storage, which safetensors refuses; both names must be in the file
+            weights[name] = tensor.to("cpu", dtype if tensor.is_floating_point() else tensor.dtype, copy=True)
     if distributed.is_main():
         os.makedirs(sync_dir, exist_ok=True)
-        # clone: tied tensors share storage, which safetensors refuses; both names must be in the file
-        save_file({k: v.detach().clone().contiguous() for k, v in lora.hf_weights(state.items(), model)},
-                  os.path.join(sync_dir, "model.safetensors"))
+        save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(sync_dir, "model.safetensors"))
         http(base_url + "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": sync_dir}},
              timeout=600)
-        http(base_url + "/reset_prefix_cache", {})
-        http(base_url + "/reset_encoder_cache", {})  # image features computed with the old vision tower
+        reset_server_caches(base_url)
     distributed.barrier()  # no rank samples before the server holds the new weights
+
+
+def reset_server_caches(base_url):
+    http(base_url + "/reset_prefix_cache", {})
+    http(base_url + "/reset_encoder_cache", {})  # image features computed with the old vision tower
+
+
+def nccl_pusher(cfg, model, base_url):
+    """vLLM's own weight-transfer engine (vllm/distributed/weight_transfer/nccl_engine.py): trainer rank 0 joins
+    the server's workers in an NCCL group once, then each push broadcasts every weight from the GPU in the sampler's
+    dtype, in 1 GiB packed buckets, while the other ranks take part in the FSDP2 all-gathers. The server is paused
+    around the update (its layers are being rebuilt) and its caches reset after. -> push()"""
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
+
+    source = PolicyWeights(model, push_dtype(cfg))
+    address, port, world = None, None, None
+    if distributed.is_main():
+        address = "127.0.0.1" if cfg.vllm_server_host in ("127.0.0.1", "localhost") else socket.getfqdn()
+        port, world = free_port(), 1 + http(base_url + "/get_world_size")["world_size"]
+    info = NCCLTrainerInitInfo(master_address=address, master_port=port, world_size=world, rank=distributed.rank())
+    client = HTTPVLLMWeightSyncClient(base_url, timeout=cfg.vllm_server_timeout)
+    try:
+        engine = NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
+    except Exception as e:  # noqa: BLE001 (requests' and NCCL's errors: the usual cause is the server's flag)
+        fail(f"NCCL weight sync with the vLLM server at {base_url} failed ({str(e).splitlines()[0][:200]}): start "
+             "it with --weight-transfer-config '{\"backend\": \"nccl\"}' (launch.sh does), or pass "
+             "--vllm_weight_sync file with a --vllm_sync_dir both sides see")
+
+    def push():
+        if distributed.is_main():
+            http(base_url + "/pause?mode=wait", {})
+        engine.send_weights()
+        if distributed.is_main():
+            reset_server_caches(base_url)
+            http(base_url + "/resume", {})
+        distributed.barrier()
+    return push
+
+
+class PolicyWeights:
+    """The policy's weights as a vLLM WeightSource: the names, dtype and full shapes the server loads (LoRA merged,
+    no tied alias), declared without gathering anything (metadata) and then gathered one at a time (iteration)."""
+
+    def __init__(self, model, dtype):
+        self.model, self.dtype = model, dtype
+
+    def metadata(self):
+        from vllm.distributed.weight_transfer import ParamMeta
+
+        shapes = ((name, torch.empty(p.shape, device="meta")) for name, p in self.model.named_parameters())
+        return [ParamMeta(name, self.dtype, tuple(t.shape)) for name, t in lora.hf_weights(shapes, self.model)]
+
+    def __iter__(self):
+        for name, tensor in hf_full_weights(self.model, "parameters"):
+            yield name, tensor.to(self.dtype)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]

@@ -13,6 +13,16 @@ def requires_vllm(test):
                                                                 "on CPU)")(test))
 
 
+@pytest.fixture
+def process_group():
+    """A process group of one in this process, as train.py sets up (FSDP2's mixed precision under --bf16 needs it)."""
+    import distributed
+
+    distributed.setup_distributed()
+    yield
+    distributed.shutdown()
+
+
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 

@@ -19,6 +19,7 @@ from test_rollout import vllm_server  # noqa: F401 (a fixture: vLLM's server on 
 from test_train import cfg_for, read_metrics, run
 
 CPU = torch.device("cpu")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def first_digit_reward(completions, prompts, **kwargs):
@@ -45,7 +46,7 @@ def test_dynamic_sampling_keeps_informative_groups_and_draws_more():
 
     def draw():
         rows = {"prompt": next(rounds)}
-        batch = rollout.generate(model, tokenizer, rows["prompt"], cfg, CPU)
+        batch = rollout.generate(model, tokenizer, rows["prompt"], cfg, CPU, seed=len(drawn))
         batch["texts"] = tokenizer.batch_decode(batch["completion_lists"], skip_special_tokens=True)
         return rows, batch
 
@@ -119,6 +120,44 @@ def test_dynamic_sampling_run_logs_its_metrics_and_checkpoints_the_data_position
     assert state["position"] == 4 + rounds  # one prompt batch per step plus every extra round
 
 
+COUNT_PUSHES = """
+import sys, train, vllm_rollout
+pushes = [0]
+def counted(push):
+    def push_and_count(*args):
+        pushes[0] += 1
+        return push(*args)
+    return push_and_count
+vllm_rollout.push_weights_colocate = counted(vllm_rollout.push_weights_colocate)
+vllm_rollout.push_weights_server = counted(vllm_rollout.push_weights_server)
+train.main(sys.argv[1:])
+print("PUSHES", pushes[0])
+"""
+
+
+@requires_vllm
+@pytest.mark.parametrize("mode", ["colocate", "server"])
+def test_one_weight_push_per_step_with_dynamic_sampling(tmp_path, chat_model_dir, vllm_server, mode):
+    """Extra dynamic-sampling rounds sample from the weights already pushed: a push per optimizer step, not per
+    generation round (with every reward 0, each step uses all its extra rounds)."""
+    import subprocess
+    import sys
+
+    data_file = tmp_path / "data.jsonl"
+    data_file.write_text("".join(json.dumps({"prompt": f"{i} + {i} ="}) + "\n" for i in range(64)))
+    out = subprocess.run([sys.executable, "-c", COUNT_PUSHES, "--model", str(chat_model_dir), "--dataset",
+                          str(data_file), "--reward_funcs", "think_format_reward", "--use_vllm", "--vllm_mode", mode,
+                          "--vllm_server_port", str(vllm_server), "--dynamic_sampling",
+                          "--max_dynamic_sampling_rounds", "2", "--bf16", "false", "--num_generations", "4",
+                          "--per_device_train_batch_size", "8", "--max_completion_length", "4", "--max_steps", "3",
+                          "--logging_steps", "1", "--output_dir", str(tmp_path / "run")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "run")
+    assert sum(m["dynamic_sampling/rounds"] for m in metrics) == 6  # 3 generations a step
+    assert "PUSHES 3" in out.stdout, out.stdout[-500:]
+
+
 @requires_vllm
 def test_async_lag_1_trains_on_the_previous_steps_samples(chat_model_dir, vllm_server):
     """Through the recorded log-probs: at step t the batch's sampler log-probs are those of step t-1's weights (the
@@ -136,14 +175,13 @@ def test_async_lag_1_trains_on_the_previous_steps_samples(chat_model_dir, vllm_s
     next_batch, _, stop_source = batches.batch_source(cfg, generate, push, dataset, [], tokenizer.pad_token_id, {})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # large steps: each step's weights are distinct
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    no_autocast = torch.autocast("cpu", enabled=False)
     previous = copy.deepcopy(model)
     for step in range(3):
         _, batch, metrics = next_batch(step)
         assert metrics["sampling/staleness"] == (1.0 if step else 0.0)
         with torch.no_grad():
-            now = rollout.forward_logps(model, batch, slice(None), 1.0, no_autocast)[0]
-            then = rollout.forward_logps(previous, batch, slice(None), 1.0, no_autocast)[0]
+            now = rollout.forward_logps(model, batch, slice(None), 1.0)[0]
+            then = rollout.forward_logps(previous, batch, slice(None), 1.0)[0]
         mask = batch["completion_mask"][:, :now.shape[1]]
         sampled = batch["sampler_logps"][:, :now.shape[1]]
         assert ((sampled - then).abs() * mask).max() < 1e-4, step  # step t-1's weights sampled it

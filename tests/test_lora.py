@@ -21,7 +21,6 @@ import vllm_rollout
 from test_train import cfg_for, read_metrics, run, tiny_model_dir, worker  # noqa: F401 (tiny_model_dir: a fixture)
 
 CPU = torch.device("cpu")
-NO_AUTOCAST = torch.autocast("cpu", enabled=False)
 
 
 def adapted(base, **overrides):
@@ -70,9 +69,9 @@ def adapter_off_matches_base(base_copy, model, tokenizer, prompts, cfg):
     batch = rollout.generate(model, tokenizer, prompts, cfg, CPU)
     with torch.no_grad():
         with lora.reference(model, None) as reference:
-            off = rollout.forward_logps(reference, batch, slice(None), cfg.temperature, NO_AUTOCAST)[0]
-        on = rollout.forward_logps(model, batch, slice(None), cfg.temperature, NO_AUTOCAST)[0]
-        untouched = rollout.forward_logps(base_copy.train(), batch, slice(None), cfg.temperature, NO_AUTOCAST)[0]
+            off = rollout.forward_logps(reference, batch, slice(None), cfg.temperature)[0]
+        on = rollout.forward_logps(model, batch, slice(None), cfg.temperature)[0]
+        untouched = rollout.forward_logps(base_copy.train(), batch, slice(None), cfg.temperature)[0]
     return off, on, untouched
 
 
@@ -110,15 +109,15 @@ def test_merged_weights_reproduce_the_adapted_policy(tmp_path):
     plain = data.embedded_task(seed=3)[0].train()  # other weights: every one must come from the merge
     plain.load_state_dict(dict(lora.hf_weights(model.state_dict().items(), model)), strict=True)
     with torch.no_grad():
-        want = rollout.forward_logps(model, batch, slice(None), 1.0, NO_AUTOCAST)[0]
-        got = rollout.forward_logps(plain, batch, slice(None), 1.0, NO_AUTOCAST)[0]
+        want = rollout.forward_logps(model, batch, slice(None), 1.0)[0]
+        got = rollout.forward_logps(plain, batch, slice(None), 1.0)[0]
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
         checkpoint.save_hf(model, tokenizer, str(tmp_path))
         saved = AutoModelForCausalLM.from_pretrained(tmp_path).train()
-        torch.testing.assert_close(rollout.forward_logps(saved, batch, slice(None), 1.0, NO_AUTOCAST)[0], want,
+        torch.testing.assert_close(rollout.forward_logps(saved, batch, slice(None), 1.0)[0], want,
                                    atol=1e-5, rtol=0)
         with_adapter = PeftModel.from_pretrained(data.embedded_task(seed=0)[0], tmp_path / "adapter").train()
-        torch.testing.assert_close(rollout.forward_logps(with_adapter, batch, slice(None), 1.0, NO_AUTOCAST)[0],
+        torch.testing.assert_close(rollout.forward_logps(with_adapter, batch, slice(None), 1.0)[0],
                                    want, atol=1e-6, rtol=0)
 
 
@@ -223,7 +222,7 @@ def test_generation_kwargs_reach_the_decode_loop_and_vllm():
     batch = rollout.generate(model, tokenizer, prompts, cfg, CPU)
     assert min(len(c) for c in batch["completion_lists"]) >= 4  # ... not before min_tokens
     with torch.no_grad():  # the recorded log-probs are still log pi_T of the unprocessed model
-        logps = rollout.forward_logps(model, batch, slice(None), 1.0, NO_AUTOCAST)[0]
+        logps = rollout.forward_logps(model, batch, slice(None), 1.0)[0]
     mask = batch["completion_mask"][:, :logps.shape[1]]
     torch.testing.assert_close(batch["sampler_logps"][:, :logps.shape[1]] * mask, logps * mask, atol=1e-5, rtol=0)
     # an extra stop id ends completions ("=" is id 1) as EOS does

@@ -74,25 +74,32 @@ def test_dropout_from_the_config_is_off_in_training(smollm2_dir):
     assert torch.equal(first, second)
 
 
-def test_bf16_first_step_old_log_probs_equal_the_reference(smollm2_dir):
-    """--bf16 in one process: sampling runs in bf16 too, and at the first step (policy == reference) the KL's old
-    log-probs equal the reference's (bf16 kernels of another shape differ by ~0.04 nats/token: the sampler's own are
-    not used as old log-probs in bf16)."""
+def test_bf16_first_step_old_log_probs_equal_the_reference(smollm2_dir, process_group):
+    """--bf16 in one process: FSDP2's mixed precision, as with N processes; sampling runs in bf16 with a bf16 KV cache,
+    the reference is stored in bf16, and at the first step (policy == reference) the KL's old log-probs equal the
+    reference's (bf16 kernels of another shape differ by ~0.04 nats/token: the sampler's own are not used as old
+    log-probs in bf16)."""
     cfg = real_cfg(smollm2_dir, "--bf16", "true", "--num_generations", "2", "--per_device_train_batch_size", "4",
                    "--max_completion_length", "8", *FILTERS)
     model, tokenizer = models.load_model(smollm2_dir)
     ref = models.prepare_model(models.load_model(smollm2_dir)[0], cfg, trainable=False)
     model = models.prepare_model(model, cfg, trainable=True)
-    autocast = models.bf16_autocast(cfg, torch.device("cpu"))
+    assert {p.dtype for p in ref.parameters()} == {torch.bfloat16}  # stored, not cast at every forward
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # master weights
     rows = {"prompt": [[{"role": "user", "content": "What is 2 + 3?"}], "The capital of France is"],
             "solution": ["5", "no number"]}
     dtypes = []
     hook = model.model.layers[0].mlp.register_forward_hook(lambda m, i, out: dtypes.append(out.dtype))
-    torch.manual_seed(0)
-    with autocast:
-        batch = rollout.generate(model, tokenizer, rows["prompt"], cfg, torch.device("cpu"))
-    hook.remove()
-    assert set(dtypes) == {torch.bfloat16}  # the sampler ran in bf16
+    caches = []
+    kv_cache = rollout.kv_cache
+    rollout.kv_cache = lambda *args: caches.append(kv_cache(*args)) or caches[-1]
+    try:
+        batch = rollout.generate(model, tokenizer, rows["prompt"], cfg, torch.device("cpu"), seed=0)
+    finally:
+        rollout.kv_cache = kv_cache
+        hook.remove()
+    assert set(dtypes) == {torch.bfloat16}  # the sampler ran in bf16 ...
+    assert {layer.keys.dtype for layer in caches[0].layers} == {torch.bfloat16}  # ... with its keys in bf16
     batch["texts"] = tokenizer.batch_decode(batch["completion_lists"], skip_special_tokens=True)
     scored = train.score(cfg, batch, rows, [train.rewards_lib.last_number_reward], model, ref, 0)
     mask = scored["loss_mask"]
@@ -162,16 +169,64 @@ def test_vllm_server_with_filters_gives_the_trainers_log_probs(tmp_path, smollm2
 
 
 @requires_vllm
-def test_colocated_vllm_context_too_long_for_the_kv_cache_is_one_line_and_the_flag_fixes_it(tmp_path, smollm2_dir):
-    """SmolLM2's 8,192-token context in fp32 needs 384 MiB of KV cache, more than the default 256 MiB: one line that
-    names both flags; --vllm_max_model_length 512 then runs."""
+def test_colocated_vllm_context_is_the_datasets_not_the_models_and_too_long_a_one_is_one_line(tmp_path, smollm2_dir):
+    """The engine's context defaults to the longest prompt plus max_completion_length: SmolLM2 runs in the default
+    256 MiB KV cache. Its full 8,192-token context in fp32 would need 384 MiB: asked for, it is one line that names
+    both flags."""
     flags = ["--model", str(smollm2_dir), "--dataset", ADDITION, "--reward_funcs", "last_number_reward", "--use_vllm",
              "--bf16", "false", "--num_generations", "4", "--per_device_train_batch_size", "8",
-             "--max_completion_length", "8", "--max_steps", "1"]
+             "--max_completion_length", "8", "--max_steps", "1", "--vllm_max_model_length", "8192"]
     out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *flags, "--output_dir", str(tmp_path / "a")],
                          capture_output=True, text=True, cwd=ROOT, timeout=900,
                          env={**os.environ, "OMP_NUM_THREADS": "2"})
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert "--vllm_max_model_length" in out.stderr and "--vllm_kv_cache_memory_bytes" in out.stderr
-    [metrics] = train_run(tmp_path, smollm2_dir, "--use_vllm", "--bf16", "false", "--vllm_max_model_length", "512")
+    [metrics] = train_run(tmp_path, smollm2_dir, "--use_vllm", "--bf16", "false")
     assert abs(metrics["kl"]) <= 1e-4
+
+
+def random_batch(b, T, vocab, prompt_len=16):
+    g = torch.Generator().manual_seed(0)
+    return dict(prompt_ids=torch.randint(0, vocab, (b, prompt_len), generator=g),
+                prompt_mask=torch.ones(b, prompt_len, dtype=torch.long),
+                completion_ids=torch.randint(0, vocab, (b, T), generator=g),
+                completion_mask=torch.ones(b, T, dtype=torch.long))
+
+
+def logps_and_grads(model, batch, chunked):
+    model.zero_grad(set_to_none=True)
+    logps, entropy, _ = rollout.forward_logps(model, batch, slice(None), 0.9, chunked=chunked)
+    (logps * torch.linspace(0.5, 1.5, logps.shape[1])).sum().backward()
+    return logps.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_chunked_head_gives_the_full_logits_log_probs_and_gradients(smollm2_dir):
+    """LogpsHead (the [b, T, V] logits never exist) against the model's own head: the same log-probs, entropies and
+    gradients in fp32, on a real 49k vocabulary, tied embeddings and gradient checkpointing."""
+    model = models.prepare_model(models.load_model(smollm2_dir)[0], real_cfg(smollm2_dir, "--bf16", "false"), True)
+    batch = random_batch(2, 200, model.config.vocab_size)  # 200 positions: 2 chunks of 170 and 30
+    chunked, full = logps_and_grads(model, batch, True), logps_and_grads(model, batch, False)
+    torch.testing.assert_close(chunked[0], full[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(chunked[1], full[1], atol=1e-4, rtol=0)
+    for name, grad in full[2].items():
+        torch.testing.assert_close(chunked[2][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_training_forward_memory_is_bounded_well_below_the_logits(smollm2_dir):
+    """4 completions of 1,024 tokens through SmolLM2's 49k vocabulary: the logits alone are 768 MiB in fp32, and the
+    model's own head kept 4.4x that alive (peak 3,890 MiB, measured). Through LogpsHead the peak beyond the weights
+    and their gradients stays under 0.6x the logits (measured: 1,253 MiB in all). Counted by torch's MemTracker
+    (every tensor allocated), not by the process's RSS, so the bound is exact on a busy machine."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model = models.prepare_model(models.load_model(smollm2_dir)[0], real_cfg(smollm2_dir, "--bf16", "false"), True)
+    batch = random_batch(4, 1024, model.config.vocab_size)
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        logps, _, _ = rollout.forward_logps(model, batch, slice(None), 1.0)
+        logps.sum().backward()
+    (peak,) = [snapshot["Total"] for snapshot in tracker.get_tracker_snapshot("peak").values()]
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    logits = 4 * 1024 * model.config.vocab_size * 4
+    assert peak < 2 * weights + 0.6 * logits, (peak / 2**20, weights / 2**20, logits / 2**20)

@@ -10,10 +10,13 @@ import models
 import rollout
 import vllm_rollout
 
+CPU = torch.device("cpu")
+
 
 def gen_cfg(**overrides):
     base = dict(num_generations=3, max_completion_length=6, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
-                repetition_penalty=1.0, chat_template_kwargs=None, generation_kwargs=None)
+                repetition_penalty=1.0, chat_template_kwargs=None, generation_kwargs=None, generation_chunk_size=0,
+                compile_decode=False)
     return SimpleNamespace(**{**base, **overrides})
 
 
@@ -79,7 +82,7 @@ def test_sampler_logps_equal_a_full_forward(tiny, knobs):
     torch.manual_seed(1)
     out = rollout.generate(model, tokenizer, ["123=", "4=", "98765="], cfg, torch.device("cpu"))
     with torch.no_grad():
-        logps, _, T = rollout.forward_logps(model, out, slice(None), cfg.temperature, torch.autocast("cpu", enabled=False))
+        logps, _, T = rollout.forward_logps(model, out, slice(None), cfg.temperature)
     mask = out["completion_mask"][:, :T]
     torch.testing.assert_close(out["sampler_logps"][:, :T] * mask, logps * mask, atol=1e-5, rtol=0)
 
@@ -97,17 +100,83 @@ def test_decode_samples_from_the_processed_distribution_and_stops_when_all_rows_
     want = torch.softmax(scores, -1)[0]  # [V]
     n = 20000
     torch.manual_seed(0)
-    ids, logps = rollout.decode(model.eval(), prompt.expand(n, -1), torch.ones(n, 5, dtype=torch.long), cfg, [0], 0)
+    keys = rollout.row_keys(0, n, torch.device("cpu"))
+    ids, logps = rollout.decode(model.eval(), prompt.expand(n, -1), torch.ones(n, 5, dtype=torch.long), cfg, [0], 0,
+                                keys)
     got = torch.bincount(ids[:, 0], minlength=len(want)).float() / n
     assert (got[want == 0] == 0).all() and (want > 0).sum() > 1
     torch.testing.assert_close(got, want, atol=0.015, rtol=0)
     # the recorded log-probs are of the unfiltered distribution at temperature 0.7 (README 'vLLM generation': log-probs of softmax(logits / T))
     want_logps = torch.log_softmax(model(input_ids=prompt).logits[0, -1] / 0.7, -1)  # [V]
     torch.testing.assert_close(logps[:, 0], want_logps[ids[:, 0]])
-    # every token an EOS: all rows end at once, and decode stops after one token instead of running to 6
-    ids, _ = rollout.decode(model, prompt.expand(4, -1), torch.ones(4, 5, dtype=torch.long), gen_cfg(),
-                            list(range(len(want))), 0)
-    assert ids.shape == (4, 1)
+    # every token an EOS: all rows end at once, and decode stops at the next check
+    # (checked every END_CHECK_EVERY tokens: one host sync per check) instead of running to 40
+    ids, _ = rollout.decode(model, prompt.expand(4, -1), torch.ones(4, 5, dtype=torch.long),
+                            gen_cfg(max_completion_length=40), list(range(len(want))), 0, keys[:4])
+    assert ids.shape == (4, rollout.END_CHECK_EVERY)
+
+
+def test_chunks_and_static_cache_give_the_samples_of_one_call_with_a_bounded_kv_cache(tiny, monkeypatch):
+    """A row's noise is a function of (seed, row, step, token), so decoding the 9 rows in chunks of 4 gives the samples
+    of one call (same seed) while each chunk's cache holds 4 rows; the static cache of the GPU path (full-width mask,
+    fixed shapes) samples the same tokens as the growing one."""
+    model, tokenizer, _ = tiny
+    prompts = ["123=", "4=", "98765="]
+    whole = rollout.generate(model, tokenizer, prompts, gen_cfg(max_completion_length=12), CPU, seed=7)
+    caches = []
+    kv_cache = rollout.kv_cache
+    monkeypatch.setattr(rollout, "kv_cache", lambda *args: caches.append(kv_cache(*args)) or caches[-1])
+    chunked = rollout.generate(model, tokenizer, prompts, gen_cfg(max_completion_length=12, generation_chunk_size=4),
+                               CPU, seed=7)
+    assert [layer.key_buffer.shape[0] for layer in caches[0].layers] == [4, 4] and len(caches) == 3  # 4 + 4 + 1
+    assert torch.equal(chunked["completion_ids"], whole["completion_ids"])
+    torch.testing.assert_close(chunked["sampler_logps"], whole["sampler_logps"], atol=1e-5, rtol=0)
+    other_seed = rollout.generate(model, tokenizer, prompts, gen_cfg(max_completion_length=12), CPU, seed=8)
+    assert not torch.equal(other_seed["completion_ids"], whole["completion_ids"])
+    p, m = rollout.left_pad(rollout.tokenize_prompts(tokenizer, prompts), tokenizer.pad_token_id, 3)
+    keys = rollout.row_keys(7, len(p), CPU)
+    with torch.no_grad():
+        growing = rollout.decode(model.eval(), p, m, gen_cfg(max_completion_length=12), [0], 0, keys, static=False)
+        static = rollout.decode(model, p, m, gen_cfg(max_completion_length=12), [0], 0, keys, static=True)
+    assert torch.equal(static[0], growing[0])
+    torch.testing.assert_close(static[1], growing[1], atol=1e-5, rtol=0)
+
+
+def test_compiled_decode_step_samples_what_the_eager_one_does(tiny):
+    """--compile_decode: torch.compile over the static cache (CUDA graphs on a GPU; inductor here)."""
+    model, tokenizer, _ = tiny
+    p, m = rollout.left_pad(rollout.tokenize_prompts(tokenizer, ["12=", "34567="]), tokenizer.pad_token_id, 2)
+    keys = rollout.row_keys(3, len(p), CPU)
+    with torch.no_grad():
+        eager = rollout.decode(model.eval(), p, m, gen_cfg(max_completion_length=10), [0], 0, keys, static=True)
+        compiled = rollout.decode(model, p, m, gen_cfg(max_completion_length=10, compile_decode=True), [0], 0, keys)
+    assert model in rollout.COMPILED_STEPS
+    assert torch.equal(compiled[0], eager[0])
+    torch.testing.assert_close(compiled[1], eager[1], atol=1e-5, rtol=0)
+
+
+def test_log_probs_through_the_chunked_head_equal_the_full_logits(tiny, monkeypatch):
+    """LogpsHead in chunks of 3 positions (and one shorter) against the model's own head: log-probs, entropies and
+    gradients agree; a model that transforms its logits (Gemma-2's softcapping) keeps its own head."""
+    model, tokenizer, _ = tiny
+    batch = rollout.generate(model, tokenizer, ["123=", "4="], gen_cfg(max_completion_length=8), CPU, seed=1)
+    monkeypatch.setattr(rollout, "HEAD_CHUNK_ELEMENTS", 6 * 3 * model.config.vocab_size)
+    results = []
+    for chunked in (True, False):
+        model.zero_grad(set_to_none=True)
+        logps, entropy, T = rollout.forward_logps(model.train(), batch, slice(None), 0.7, chunked=chunked)
+        (logps * batch["completion_mask"][:, :T]).sum().backward()
+        results.append((logps.detach(), entropy, [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(results[0][1], results[1][1], atol=1e-5, rtol=0)
+    for a, b in zip(results[0][2], results[1][2]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert rollout.plain_head(model)
+    model.config.final_logit_softcapping = 30.0
+    try:
+        assert not rollout.plain_head(model)
+    finally:
+        del model.config.final_logit_softcapping
 
 
 def test_model_generation_config_does_not_leak_into_sampling(tiny):
@@ -311,7 +380,7 @@ def test_vlm_training_forward_reproduces_the_sampler_log_probs(tmp_path, family,
     placeholders = torch.tensor(rollout.image_token_ids(processor))
     assert len(placeholders) and not torch.isin(batch["completion_ids"], placeholders).any()
     for rows_slice in rollout.micro_batches(6, 3):
-        logps, _, T = rollout.forward_logps(model, batch, rows_slice, 1.0, nullcontext())
+        logps, _, T = rollout.forward_logps(model, batch, rows_slice, 1.0)
         mask = batch["completion_mask"][rows_slice, :T]
         torch.testing.assert_close(logps * mask, batch["sampler_logps"][rows_slice, :T], atol=2e-5, rtol=0)
 

@@ -121,9 +121,8 @@ def run_ours(policy, ref, tokenizer, completions, opts, monkeypatch, inject=None
     batch = rollout.finish_batch(prompt_ids, prompt_mask, completion_ids, torch.zeros(completion_ids.shape),
                                  rollout.eos_token_ids(tokenizer, model), tokenizer.pad_token_id)
     assert batch["completion_lists"] == completions
-    autocast = torch.autocast("cpu", enabled=False)
     with torch.no_grad():  # the sampler's log-probs: at the first step, the policy's own (no-grad forward)
-        logps, _, T_used = rollout.forward_logps(model, batch, slice(None), cfg.temperature, autocast)
+        logps, _, T_used = rollout.forward_logps(model, batch, slice(None), cfg.temperature)
     assert T_used == T
     batch["sampler_logps"] = logps * batch["completion_mask"]
     batch["texts"] = tokenizer.batch_decode(batch["completion_lists"], skip_special_tokens=True)

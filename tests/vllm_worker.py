@@ -35,7 +35,6 @@ sample, push_weights, stop = vllm_rollout.connect(cfg, model, tokenizer, device)
 generate = vllm_rollout.vllm_generator(sample, cfg, tokenizer, None, eos_ids, device)
 optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)  # large steps
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-autocast = torch.autocast("cpu", enabled=False)
 prompts = [["What is 2+2?", "Say hi."], ["Count: 1 2 3", "abc"]][rank % 2]
 greedy_cfg = train.parse_config(["--num_generations", "1", "--max_completion_length", "12", "--temperature", "0"])
 report = {"drift": []}
@@ -43,8 +42,8 @@ for step in range(3):
     push_weights()
     batch = generate(prompts)
     with torch.no_grad():  # the log-probs vLLM returned vs the trainer's forward on the same (pushed) weights
-        logps, _, T = rollout.forward_logps(model, batch, slice(None), cfg.temperature, autocast)
-        initial_logps, _, _ = rollout.forward_logps(initial, batch, slice(None), cfg.temperature, autocast)
+        logps, _, T = rollout.forward_logps(model, batch, slice(None), cfg.temperature)
+        initial_logps, _, _ = rollout.forward_logps(initial, batch, slice(None), cfg.temperature)
     mask = batch["completion_mask"][:, :T]
     report["drift"].append(((batch["sampler_logps"][:, :T] - logps).abs() * mask).max().item())
     report["moved"] = ((batch["sampler_logps"][:, :T] - initial_logps).abs() * mask).max().item()
