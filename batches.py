@@ -97,7 +97,7 @@ def fill_with_informative(cfg, rows, batch, draw, reward_funcs, step, pad_id):
     weights = rewards_lib.reward_weights(cfg, reward_funcs)
     parts, rounds = [], 0
     while True:
-        batch["rewards_per_func"] = rewards_lib.call_rewards(reward_funcs, rows, batch, G, step)  # [B, K]
+        batch["rewards_per_func"] = rewards_lib.call_rewards(reward_funcs, rows, batch, G, step, cfg.reward_timeout)
         raw = combine_rewards(batch["rewards_per_func"], weights.to(batch["rewards_per_func"].device))  # [B]
         parts.append((rows, batch, informative_groups(raw, G)))
         missing = max(P - sum(int(good.sum()) for _, _, good in parts), 0)  # informative groups still wanted

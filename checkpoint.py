@@ -10,20 +10,25 @@ marks a finished checkpoint. The data position (prompt batches drawn, batches.py
 run's batches in flight go to in_flight_rank{r}.pt.
 """
 
+import dataclasses
 import json
 import os
 import re
 import shutil
 import signal
+import sys
+import threading
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
 import distributed
+import rewards as rewards_lib
 from config import fail
 
 # DCP in a single process (no process group) is intended here; its warning says so on every save.
@@ -31,13 +36,58 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 
 def checkpoint_dirs(output_dir):
-    """Finished checkpoint-N directories, oldest first (trainer_state.json is written last, so it marks completion)."""
+    """Finished checkpoint-N directories, oldest first (written as checkpoint-N.tmp and renamed when complete)."""
     found = []
     for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
         match = re.fullmatch(r"checkpoint-(\d+)", name)
-        if match and os.path.exists(os.path.join(output_dir, name, "trainer_state.json")):
+        if match and os.path.isdir(os.path.join(output_dir, name)):
             found.append((int(match.group(1)), os.path.join(output_dir, name)))
     return [path for _, path in sorted(found)]
+
+
+MANIFEST = "manifest.json"  # written last: every file of the checkpoint and its size
+
+
+def write_manifest(path):
+    files = {os.path.relpath(os.path.join(root, name), path): os.path.getsize(os.path.join(root, name))
+             for root, _, names in os.walk(path) for name in names}
+    with open(os.path.join(path, MANIFEST), "w") as f:
+        json.dump({"files": files}, f)
+
+
+def damage(path):
+    """What is wrong with a checkpoint directory (a file missing, truncated, unreadable), or None if it is whole."""
+    if not os.path.exists(os.path.join(path, MANIFEST)):
+        return f"{MANIFEST}, written last, is missing: the save did not finish (or an older rloo wrote it)"
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            files = json.load(f)["files"]
+        for name, size in files.items():
+            if not os.path.exists(os.path.join(path, name)):
+                return f"{name} is missing"
+            if os.path.getsize(os.path.join(path, name)) != size:
+                return f"{name} has {os.path.getsize(os.path.join(path, name))} bytes, not {size}"
+        with open(os.path.join(path, "trainer_state.json")) as f:
+            json.load(f)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{MANIFEST} or trainer_state.json unreadable: {type(e).__name__}: {str(e)[:120]}"
+    return None
+
+
+def previous_whole(path):
+    """The newest undamaged checkpoint older than path in its directory, for the error message, or None."""
+    older = [d for d in checkpoint_dirs(os.path.dirname(os.path.abspath(path))) if step_of(d) < step_of(path)]
+    return next((d for d in reversed(older) if damage(d) is None), None)
+
+
+def step_of(path):
+    return int(path.rstrip("/").rsplit("-", 1)[-1].removesuffix(".tmp")) if "-" in path else -1
+
+
+def suggestion(path):
+    previous = previous_whole(path)
+    return (f"resume from the previous complete one, --resume_from_checkpoint {previous}" if previous else
+            "no earlier complete checkpoint is there; start afresh with --overwrite_output_dir")
 
 
 def start(cfg, model, optimizer, scheduler, ref_model=None):
@@ -53,10 +103,38 @@ def start(cfg, model, optimizer, scheduler, ref_model=None):
     return {"step": 0, "num_tokens": 0, "window": {}, "position": 0}
 
 
-def watch_sigterm(device):
-    """SIGTERM (SLURM's warning before a kill) sets a flag: the loop checkpoints and exits between generations."""
-    flag = torch.zeros(1, device=device)
-    signal.signal(signal.SIGTERM, lambda signum, frame: flag.fill_(1))
+# seconds a reward function may still run after SIGTERM or Ctrl-C before it is stopped (the step is then lost)
+REWARD_GRACE = 10.0
+
+
+def watch_signals(device):
+    """SIGTERM (SLURM's warning before a kill) and SIGINT (Ctrl-C) set a flag: the loop checkpoints and exits at the
+    end of the step. Reward code (which may never return) gets REWARD_GRACE seconds, then is stopped; a second Ctrl-C
+    exits at once."""
+    flag, main_thread = torch.zeros(1, device=device), threading.main_thread().ident
+
+    def stop_reward_if_still_running():
+        if rewards_lib.calling[0]:
+            signal.pthread_kill(main_thread, signal.SIGTERM)
+
+    def handle(signum, frame):
+        name, again = signal.Signals(signum).name, bool(flag.item())
+        if signum == signal.SIGINT and again:
+            print("\nrloo: second Ctrl-C: exiting now, without a checkpoint", file=sys.stderr, flush=True)
+            os._exit(130)
+        flag.fill_(1)
+        if signum == signal.SIGINT:
+            print(f"\nrloo: {name}: saving a checkpoint at the end of this step (Ctrl-C again: exit at once)",
+                  file=sys.stderr, flush=True)
+        if rewards_lib.calling[0] and again:
+            raise rewards_lib.Interrupted(name)
+        if rewards_lib.calling[0]:
+            timer = threading.Timer(REWARD_GRACE, stop_reward_if_still_running)
+            timer.daemon = True  # it must not hold the exit
+            timer.start()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, handle)
     return flag
 
 
@@ -93,11 +171,38 @@ def rebuild_info(cfg, vision):
 
 
 def save_checkpoint(cfg, model, optimizer, scheduler, state, vision=False, ref_model=None):
-    """Every rank writes its own shards (nobody gathers the model) into checkpoint-N.tmp; rank 0 renames it when all
-    are done, so a kill mid-save leaves the previous checkpoint intact. state: step, num_tokens, metric window."""
-    rank, world_size = distributed.rank(), distributed.world_size()
+    """Every rank writes its own shards (nobody gathers the model) into checkpoint-N.tmp; rank 0 adds the manifest and
+    renames it when all are done, so a kill mid-save leaves the previous checkpoint intact, and a full disk is one
+    line (the partial directory removed). state: step, num_tokens, metric window, data position."""
     final = os.path.join(cfg.output_dir, f"checkpoint-{state['step']}")
-    tmp = final + ".tmp"
+    try:
+        write_checkpoint(cfg, model, optimizer, scheduler, state, vision, ref_model, final + ".tmp")
+    except (OSError, CheckpointException) as e:  # CheckpointException: DCP's, a BaseException
+        if distributed.is_main():
+            shutil.rmtree(final + ".tmp", ignore_errors=True)
+        last = checkpoint_dirs(cfg.output_dir)
+        fail(f"cannot write {final} ({reason(e)}): the partial copy is removed and "
+             f"{'the last complete checkpoint, ' + last[-1] + ', is intact' if last else 'no checkpoint is lost'}. "
+             "Free disk space, then resume with --resume_from_checkpoint latest")
+    if distributed.is_main():
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(final + ".tmp", final)
+        # the newest save_total_limit - 1 others stay, with the one just written whatever its number
+        others = [d for d in checkpoint_dirs(cfg.output_dir) if d != final]
+        for old in others[:max(0, len(others) - cfg.save_total_limit + 1)] if cfg.save_total_limit else []:
+            shutil.rmtree(old)
+    distributed.barrier()
+
+
+def reason(error):
+    """One line for an exception, and for DCP's CheckpointException the first rank's own exception."""
+    if isinstance(error, CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]
+    return f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"
+
+
+def write_checkpoint(cfg, model, optimizer, scheduler, state, vision, ref_model, tmp):
+    rank, world_size = distributed.rank(), distributed.world_size()
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -112,29 +217,59 @@ def save_checkpoint(cfg, model, optimizer, scheduler, state, vision=False, ref_m
     if rank == 0:
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             json.dump({**state, "scheduler": scheduler.state_dict(), "world_size": world_size,
-                       **rebuild_info(cfg, vision)}, f)
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-        for old in checkpoint_dirs(cfg.output_dir)[:-cfg.save_total_limit] if cfg.save_total_limit else []:
-            shutil.rmtree(old)
-    distributed.barrier()
+                       "config": effective_config(cfg, scheduler), **rebuild_info(cfg, vision)}, f)
+        write_manifest(tmp)
+
+
+def effective_config(cfg, scheduler):
+    """The run's flags as they act: a resumed run's learning rate and weight decay are its checkpoint's."""
+    return {**dataclasses.asdict(cfg), "learning_rate": scheduler.base_lrs[0],
+            "weight_decay": max(g["weight_decay"] for g in scheduler.optimizer.param_groups)}
 
 
 def find_checkpoint(cfg):
-    """--resume_from_checkpoint PATH or 'latest' -> a finished checkpoint directory and its trainer_state.json."""
+    """--resume_from_checkpoint PATH or 'latest' -> a whole checkpoint directory and its trainer_state.json. 'latest'
+    passes over damaged ones, saying so; a damaged PATH is one line naming the previous whole one."""
     path = cfg.resume_from_checkpoint
     if path == "latest":
         found = checkpoint_dirs(cfg.output_dir)
         if not found:
             fail(f"--resume_from_checkpoint latest: no checkpoint in {cfg.output_dir!r}")
+        while found and damage(found[-1]):
+            if distributed.is_main():
+                print(f"rloo: WARNING: {found[-1]} is damaged ({damage(found[-1])}); trying the one before",
+                      file=sys.stderr)
+            found.pop()
+        if not found:
+            fail(f"every checkpoint in {cfg.output_dir!r} is damaged; start afresh with --overwrite_output_dir")
         path = found[-1]
-    if not os.path.exists(os.path.join(path, "trainer_state.json")):
+    if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "trainer_state.json")) and \
+            not os.path.exists(os.path.join(path, MANIFEST)):
         fail(f"--resume_from_checkpoint {path!r} is not a finished checkpoint directory (no trainer_state.json)")
+    if damage(path):
+        fail(f"checkpoint {path!r} is damaged ({damage(path)}); {suggestion(path)}")
     with open(os.path.join(path, "trainer_state.json")) as f:
         state = json.load(f)
     if state["model"] != cfg.model:
         fail(f"checkpoint {path!r} was trained from model {state['model']!r}, not {cfg.model!r}")
     return path, state
+
+
+# On resume the optimizer and scheduler state come back from the checkpoint (as the Hugging Face Trainer does):
+# these flags keep the checkpoint's values; every other flag takes its new value.
+FROM_CHECKPOINT = ("learning_rate", "weight_decay")
+NOT_COMPARED = ("resume_from_checkpoint", "overwrite_output_dir")
+
+
+def warn_changed_flags(cfg, state, path):
+    """One warning listing the flags whose values differ from the checkpoint's run, and which of them apply."""
+    saved, now = state.get("config") or {}, dataclasses.asdict(cfg)
+    changed = [name for name in now if name in saved and name not in NOT_COMPARED and saved[name] != now[name]]
+    if changed and distributed.is_main():
+        listed = "; ".join(f"{name} {saved[name]!r} -> {now[name]!r} "
+                           f"({'the checkpoint value stays' if name in FROM_CHECKPOINT else 'the new value applies'})"
+                           for name in changed)
+        print(f"rloo: WARNING: resuming {path} with flags that differ from its run: {listed}", file=sys.stderr)
 
 
 def load_checkpoint(cfg, model, optimizer, scheduler, ref_model=None):
@@ -145,11 +280,13 @@ def load_checkpoint(cfg, model, optimizer, scheduler, ref_model=None):
     if bool(state.get("lora")) != cfg.use_peft:
         fail(f"checkpoint {path!r} was trained {'with' if state.get('lora') else 'without'} --use_peft; resume it "
              "the same way")
+    warn_changed_flags(cfg, state, path)
     full = sharded_state(cfg, model, optimizer, ref_model)
     try:
         dcp.load(full, checkpoint_id=path)
-    except Exception as e:  # shapes or names differ: another architecture saved this
-        fail(f"checkpoint {path!r} does not fit this model: {str(e).splitlines()[0][:300]}")
+    except (Exception, CheckpointException) as e:  # whole files (checked above): another architecture saved this
+        fail(f"checkpoint {path!r} does not fit this model or cannot be read ({reason(e)}); if it is damaged, "
+             f"{suggestion(path)}")
     # strict=False: the frozen base is not in the checkpoint (dcp.load above already failed on a missing trained key)
     set_state_dict(model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optimizer"],
                    options=StateDictOptions(ignore_frozen_params=True, strict=False))
@@ -183,12 +320,19 @@ def save_hf(model, tokenizer, path):
     import lora
 
     state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if distributed.is_main():
+    if not distributed.is_main():
+        return
+    try:
         if lora.is_adapted(model):
             lora.save_adapted(model, state_dict, path)
         else:
             model.save_pretrained(path, state_dict=state_dict)
         tokenizer.save_pretrained(path)
+    except OSError as e:
+        last = checkpoint_dirs(path)
+        fail(f"cannot write the final model to {path!r} ({reason(e)}); "
+             + (f"{last[-1]} is intact: free space, then python train.py export {last[-1]}" if last else
+                "free space and run again"))
 
 
 def export_checkpoint(path, out_dir):

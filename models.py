@@ -5,8 +5,10 @@ optimizer, and the bf16 precision context.
 Sampling from a model is rollout.py; the tiny embedded model is built in data.py with its task.
 """
 
+import importlib.util
 import os
 import re
+import sys
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,9 @@ def loading(cfg):
     """--model_init_kwargs (dtype default fp32 master weights), --trust_remote_code and --load_in_4bit as
     load_model's keyword arguments."""
     init_kwargs = dict(cfg.model_init_kwargs or {})
+    if cfg.load_in_4bit and not torch.cuda.is_available() and importlib.util.find_spec("kernels") is None:
+        print("rloo: note: bitsandbytes' fast CPU 4-bit kernel needs `pip install kernels`; without it 4-bit "
+              "layers use a slower path", file=sys.stderr)
     if cfg.load_in_4bit:
         from transformers import BitsAndBytesConfig
 

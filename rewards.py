@@ -14,10 +14,14 @@ import math
 import numbers
 import os
 import re
+import sys
+import sysconfig
 import threading
+import traceback
 
 import torch
 
+from config import fail
 from rollout import is_conversational
 
 
@@ -123,14 +127,20 @@ def load_reward_func(spec, prepare_model=None, device="cpu"):
                 raise ValueError(f"reward function file {source!r} does not exist")
             module_spec = importlib.util.spec_from_file_location(os.path.basename(source)[:-3], source)
             module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
+            try:
+                module_spec.loader.exec_module(module)
+            except BaseException as e:  # noqa: BLE001 (a syntax error, a failing import, even sys.exit at import)
+                raise ValueError(f"cannot load reward function file {source!r}: {user_error(e)}") from None
         else:
             try:
                 module = importlib.import_module(source)
-            except ImportError as e:
-                raise ValueError(f"cannot import module {source!r} for reward function {spec!r}: {e}") from None
-        if not callable(getattr(module, name, None)):
+            except BaseException as e:  # noqa: BLE001
+                raise ValueError(f"cannot import module {source!r} for reward function {spec!r}: "
+                                 f"{user_error(e)}") from None
+        if not hasattr(module, name):
             raise ValueError(f"{source!r} has no function {name!r} (reward function {spec!r})")
+        if not callable(getattr(module, name)):
+            raise ValueError(f"{source}:{name} is a {type(getattr(module, name)).__name__}, not a function")
         return getattr(module, name)
     if looks_like_model(spec):
         return reward_model(spec, prepare_model or (lambda m: m.to(device)), device)
@@ -141,9 +151,13 @@ def load_reward_func(spec, prepare_model=None, device="cpu"):
 def reward_model(path, prepare_model, device):
     """A sequence-classification model as a reward function: prompt + completion (through the chat template for
     conversations), right-padded, no gradient, reward = logits[:, 0] at the last token. Named after the path."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     try:
+        architectures = AutoConfig.from_pretrained(path).architectures or []
+        if not any(a.endswith("ForSequenceClassification") for a in architectures):
+            raise ValueError(f"it is a {', '.join(architectures) or 'model'} with no sequence-classification "
+                             "head (one would be initialised at random); pass a reward model")
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
     except (OSError, ValueError) as e:
@@ -176,65 +190,156 @@ def _is_async(func):
     return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None))
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # rewards are trained on in float32: beyond this they are inf
+
+
+class RewardError(ValueError):
+    """A reward function failed or returned something unusable: one line naming it (the loop stops with it)."""
+
+
+class Interrupted(BaseException):
+    """Raised inside reward code by SIGTERM/SIGINT (checkpoint.watch_signals), so a call that never returns cannot
+    keep the run from stopping. A BaseException: reward code's own `except Exception` does not swallow it."""
+
+
+# True while reward code runs: a signal then stops it at once rather than waiting for the call to end
+calling = [False]
+
+
 def _validate(name, values, n):
-    """list[float | None] of length n -> list[float] with NaN for None; anything else is a clear error."""
+    """list[float | None] of length n -> list[float] with NaN for None; anything else is a RewardError."""
     if isinstance(values, torch.Tensor):
         values = values.tolist()
     if not hasattr(values, "__len__") or isinstance(values, (str, dict)) or len(values) != n:
         got = f"length {len(values)}" if hasattr(values, "__len__") else type(values).__name__
-        raise ValueError(f"reward function {name!r} must return a list of {n} floats (one per completion), got {got}")
+        raise RewardError(f"reward function {name!r} must return a list of {n} floats (one per completion), got {got}")
     out = []
     for i, v in enumerate(values):
         if v is None:
             out.append(math.nan)
-        elif isinstance(v, numbers.Real) and math.isfinite(v):
+        elif isinstance(v, numbers.Real) and abs(v) <= FLOAT32_MAX:  # bools too: True is 1.0, as in TRL
             out.append(float(v))
         else:
-            problem = "a non-finite value" if isinstance(v, numbers.Real) else f"a {type(v).__name__}"
-            raise ValueError(f"reward function {name!r} returned {problem} ({v!r}) for completion {i}; "
-                             "return a finite float, or None when the function does not apply")
+            numeric = isinstance(v, numbers.Real)
+            problem = "a value that is not finite in float32" if numeric else f"a {type(v).__name__}"
+            raise RewardError(f"reward function {name!r} returned {problem} ({v!r}) for completion {i}; "
+                              "return a finite float, or None when the function does not apply")
     return out
 
 
-def compute_rewards(funcs, prompts, completions, completion_ids, columns, **extra):
+def user_frames(error):
+    """The frames of a traceback outside this file, Python's own library and installed packages: the user's code."""
+    library = tuple(sysconfig.get_paths()[key] for key in ("stdlib", "purelib", "platlib"))
+    return [f for f in traceback.extract_tb(error.__traceback__)
+            if f.filename != __file__ and not f.filename.startswith(("<", *library))]
+
+
+def user_error(error):
+    """An exception from user code as one line: its type, message and the user's own innermost frame."""
+    if isinstance(error, SystemExit):
+        return f"it called sys.exit({error.code!r})"
+    frames = user_frames(error)
+    where = f" ({frames[-1].filename}, line {frames[-1].lineno})" if frames else ""
+    if isinstance(error, SyntaxError):
+        return f"SyntaxError: {error.msg} ({error.filename}, line {error.lineno})"
+    return f"{type(error).__name__}: {error}{where}"
+
+
+def print_user_traceback(error):
+    """The traceback of the user's own code, without the frames of this file that called it."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename != __file__]
+    lines = traceback.format_list(frames) + traceback.format_exception_only(error)
+    print("Traceback of the reward function (most recent call last):\n" + "".join(lines), end="", file=sys.stderr)
+
+
+def run_with_timeout(call, timeout):
+    """call() in this thread, or with a timeout in a daemon thread (a call that never returns cannot be killed,
+    only abandoned: a daemon thread does not hold the exit)."""
+    if timeout is None:
+        return call()
+    result = {}
+
+    def target():
+        try:
+            result["value"] = call()
+        except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread)
+            result["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True, name="rloo-reward")
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise TimeoutError(f"did not return within --reward_timeout {timeout:g} s")
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def compute_rewards(funcs, prompts, completions, completion_ids, columns, timeout=None, **extra):
     """Call every reward function on the B completions -> [B, K] float tensor, NaN where a function returned None.
 
-    Sync functions run one after another; async ones run concurrently on one event loop (asyncio.gather).
+    Sync functions run one after another; async ones run concurrently on one event loop (asyncio.gather). Each is
+    bounded by `timeout` seconds (None: unbounded). Any failure, even a SystemExit, is a RewardError naming the
+    function, after the function's own traceback; a signal while one runs is one too.
     """
     kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns, **extra)
     names = [reward_name(f) for f in funcs]
+    at = f" at step {extra['step']}" if "step" in extra else ""
 
-    def call(name, func):
+    def guarded(name, call):
+        calling[0] = True
         try:
-            return func(**kwargs)
-        except Exception as e:
-            raise RuntimeError(f"reward function {name!r} raised {type(e).__name__}: {e} (traceback above)") from e
+            return call()
+        except Interrupted as e:
+            raise RewardError(f"{e} while reward function {name!r} was running{at}, which did not return within "
+                              "10 s of it: stopped") from None
+        except (TimeoutError, asyncio.TimeoutError) as e:
+            raise RewardError(f"reward function {name!r}{at} {e or 'timed out'}") from None
+        except BaseException as e:  # noqa: BLE001 (user code: SystemExit and KeyboardInterrupt too)
+            print_user_traceback(e)
+            raise RewardError(f"reward function {name!r} raised{at}: {user_error(e)}") from e
+        finally:
+            calling[0] = False
 
-    async def call_async(name, func):
-        try:
-            return await func(**kwargs)
-        except Exception as e:
-            raise RuntimeError(f"reward function {name!r} raised {type(e).__name__}: {e} (traceback above)") from e
-
-    outputs = {k: call(names[k], f) for k, f in enumerate(funcs) if not _is_async(f)}
+    outputs = {k: guarded(names[k], lambda f=f: run_with_timeout(lambda: f(**kwargs), timeout))
+               for k, f in enumerate(funcs) if not _is_async(f)}
     async_ids = [k for k, f in enumerate(funcs) if _is_async(f)]
     if async_ids:
+        async def bounded(k):
+            try:
+                return await asyncio.wait_for(funcs[k](**kwargs), timeout)
+            except (TimeoutError, asyncio.TimeoutError):
+                raise TimeoutError(f"did not return within --reward_timeout {timeout:g} s") from None
+
         async def gather():
-            return await asyncio.gather(*(call_async(names[k], funcs[k]) for k in async_ids))
-        outputs.update(zip(async_ids, asyncio.run(gather())))
+            return await asyncio.gather(*(bounded(k) for k in async_ids), return_exceptions=True)
+
+        results = guarded(", ".join(names[k] for k in async_ids), lambda: asyncio.run(gather()))
+        for k, result in zip(async_ids, results):
+            outputs[k] = guarded(names[k], lambda r=result: raise_if_error(r))
     columns_out = [_validate(names[k], outputs[k], len(completions)) for k in range(len(funcs))]
     return torch.tensor(columns_out, dtype=torch.float32).T.reshape(len(completions), len(funcs))  # [B, K]
 
 
-def call_rewards(funcs, rows, batch, G, step):
+def raise_if_error(result):
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def call_rewards(funcs, rows, batch, G, step, timeout=None):
     """Reward functions on the B = P*G completions of a generated batch: each prompt and dataset column repeated G
     times; conversational prompts get [{"role": "assistant", "content": text}] completions. -> [B, K], NaN = None."""
     prompts = [p for p in rows["prompt"] for _ in range(G)]
     completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
                    for p, t in zip(prompts, batch["texts"])]
     columns = {c: [v for v in values for _ in range(G)] for c, values in rows.items() if c != "prompt"}
-    return compute_rewards(funcs, prompts, completions, batch["completion_lists"], columns,
-                           step=step).to(batch["completion_mask"].device)
+    try:
+        rewards = compute_rewards(funcs, prompts, completions, batch["completion_lists"], columns, timeout,
+                                  step=step)
+    except RewardError as e:
+        fail(f"{e}. Checkpoints already written are intact")
+    return rewards.to(batch["completion_mask"].device)
 
 
 def reward_weights(cfg, funcs):

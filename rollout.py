@@ -167,11 +167,6 @@ class RecordLogps(LogitsProcessor):
 
 
 
-# --generation_kwargs both generators implement, with vLLM SamplingParams' names and meaning: EOS (and stop ids)
-# suppressed until min_tokens completion tokens; OpenAI's penalties over the completion so far; extra stop ids.
-GENERATION_KWARGS = ("min_tokens", "presence_penalty", "frequency_penalty", "stop_token_ids")
-
-
 def sampling_processors(cfg, prompt_ids, eos_ids):
     """HF's own penalty and filters, in HF generate's order (vLLM's: penalties, then temperature, then filters);
     applied to the logits after log pi_T is recorded.

@@ -16,9 +16,14 @@ data.py, models.py, rollout.py (and vllm_rollout.py), rewards.py, metrics.py, ch
 """
 
 import dataclasses
+import logging
 import math
 import os
 import sys
+
+# bitsandbytes (imported by peft, imported by transformers' schedulers) notes at import that its fast CPU 4-bit
+# kernel is missing, in every run; it matters only to --load_in_4bit (models.loading says it there)
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -42,7 +47,7 @@ from rloo import combine_rewards, has_baseline, normalize_advantages, rloo_advan
 # Setup: models, rewards, the generator, the number of steps
 # ---------------------------------------------------------------------------------------------------------------
 
-def load_models(cfg, dataset, vision, device):
+def load_models(cfg, dataset, eval_dataset, vision, device):
     """Policy (with --use_peft: with a LoRA adapter), frozen reference (only when beta > 0, and not with LoRA, whose
     reference is the policy with its adapter off), tokenizer and, for a vision-language run, the processor (it owns
     the chat template and the image processor). Without --model the embedded task supplies the model and, unless
@@ -60,6 +65,8 @@ def load_models(cfg, dataset, vision, device):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     data.check_data(dataset, tokenizer, processor, model, cfg)
+    if eval_dataset is not None:
+        data.check_data(eval_dataset, tokenizer, processor, model, cfg, "eval split")
     if cfg.use_peft:
         model = lora.add_adapter(model, lora.settings(cfg))
     model = prepare_model(model, cfg, trainable=True, device=device)
@@ -92,6 +99,7 @@ def start_generator(cfg, model, tokenizer, processor, dataset, device):
         generate, stop, push = vllm_rollout.start(cfg, model, tokenizer, processor, device, max_images, max_model_len)
     else:
         generate, stop, push = rollout.hf_generator(cfg, model, tokenizer, processor, device), None, None
+    torch.manual_seed(cfg.seed + distributed.rank())  # each rank samples different completions for its prompts
     return rows_generator(generate, tokenizer, processor), stop or (lambda: None), push
 
 
@@ -157,7 +165,7 @@ def score(cfg, batch, rows, reward_funcs, model, ref_model, step):
     with timed(timings, "time/rewards"):  # R = sum_k w_k R_k over the functions that scored, then clipped
         rewards_per_func = batch.get("rewards_per_func")  # dynamic sampling scored them already
         if rewards_per_func is None:
-            rewards_per_func = rewards_lib.call_rewards(reward_funcs, rows, batch, G, step)  # [B, K]
+            rewards_per_func = rewards_lib.call_rewards(reward_funcs, rows, batch, G, step, cfg.reward_timeout)
         weights = rewards_lib.reward_weights(cfg, reward_funcs).to(loss_mask.device)
         rewards = combine_rewards(rewards_per_func, weights, cfg.reward_clip_range)  # [B]
     kl_sums, logps = None, {}
@@ -314,7 +322,7 @@ def evaluate(cfg, generate, dataset, reward_funcs, step):
         batch = generate(rows)
         rewards_per_func = batch.get("rewards_per_func")  # dynamic sampling scored them already
         if rewards_per_func is None:
-            rewards_per_func = rewards_lib.call_rewards(reward_funcs, rows, batch, G, step)  # [B, K]
+            rewards_per_func = rewards_lib.call_rewards(reward_funcs, rows, batch, G, step, cfg.reward_timeout)
         valid = torch.tensor([i < n for i in index for _ in range(G)], device=rewards_per_func.device)
         chunks.append({"rewards_per_func": rewards_per_func.T, "lengths": batch["completion_mask"].sum(-1).float(),
                        "truncated": batch["truncated"].float(), "valid": valid.float()})
@@ -328,13 +336,37 @@ def evaluate(cfg, generate, dataset, reward_funcs, step):
     return {f"eval_{k}": v for k, v in generation_metrics(columns, names, weights, G).items()}
 
 
-def count_nonfinite(cfg, grad_norm, in_a_row):
-    """Steps in a row whose gradient norm was NaN/inf (each was skipped); too many stop the run."""
-    in_a_row = 0 if torch.isfinite(grad_norm) else in_a_row + 1
-    if in_a_row >= cfg.max_nonfinite_steps:
-        fail(f"{in_a_row} optimizer steps in a row had a NaN/inf gradient (all skipped); stopping. The last "
-             f"checkpoint in {cfg.output_dir!r} is intact. Check rewards and learning rate.")
-    return in_a_row
+class RunHealth:
+    """What makes a run meaningless, each stopped with one line: optimizer steps in a row with a NaN/inf gradient
+    (each was skipped), generated batches in a row that no reward function scored (all None: no signal, a warning
+    the first time), and at the end a run in which no step updated the weights (nothing is saved as trained)."""
+
+    def __init__(self, cfg):
+        self.cfg, self.nonfinite, self.unscored, self.updated = cfg, 0, 0, 0
+
+    def scored(self, reward, step):
+        """reward: the global batch's mean reward, NaN when every function returned None for every completion."""
+        self.unscored = self.unscored + 1 if math.isnan(reward) else 0
+        if self.unscored == 1 and distributed.is_main():
+            print(f"rloo: WARNING: step {step}: every reward function returned None for every completion: this batch "
+                  "has no learning signal", file=sys.stderr)
+        if self.unscored >= self.cfg.max_nonfinite_steps:
+            fail(f"{self.unscored} batches in a row were scored by no reward function (all None): check that the "
+                 "reward functions apply to this dataset (their columns, their answer format)")
+
+    def stepped(self, grad_norm):
+        finite = bool(torch.isfinite(grad_norm))
+        self.updated += finite
+        self.nonfinite = 0 if finite else self.nonfinite + 1
+        if self.nonfinite >= self.cfg.max_nonfinite_steps:
+            fail(f"{self.nonfinite} optimizer steps in a row had a NaN/inf gradient (all skipped); stopping. The last "
+                 f"checkpoint in {self.cfg.output_dir!r} is intact. Check rewards and learning rate.")
+
+    def check_trained(self, steps):
+        if steps and not self.updated:
+            fail(f"none of the {steps} optimizer steps updated the weights (every gradient was NaN/inf, so each was "
+                 "skipped): nothing is saved as a trained model. Check the rewards' scale, --beta and "
+                 "--learning_rate")
 
 
 def announce(cfg, model, device, total_steps):
@@ -346,11 +378,12 @@ def announce(cfg, model, device, total_steps):
               f"{completions} completions/step, {total_steps} steps -> {cfg.output_dir}")
 
 
-def finish(cfg, model, saver, stopped, step):
-    """After the loop: SIGTERM's message, or the final model in Hugging Face format."""
+def finish(cfg, model, saver, stopped, step, logger):
+    """After the loop: the logs closed, then how to resume a stopped run, or the final model in Hugging Face format."""
+    logger.close()
     if stopped:
         if distributed.is_main():
-            print(f"rloo: SIGTERM: saved checkpoint-{step} in {cfg.output_dir}; resume with "
+            print(f"rloo: stopped by a signal: saved checkpoint-{step} in {cfg.output_dir}; resume with "
                   "--resume_from_checkpoint latest")
         return
     if cfg.load_in_4bit:  # merged into the full-precision base, from the final checkpoint, as export does
@@ -374,19 +407,18 @@ def main(argv=None):
     device = distributed.setup_distributed(cfg.ddp_timeout)
     check_config(cfg)
     dataset, eval_dataset, vision = data.load_datasets(cfg)  # the data first: cheaper to find out it is wrong
-    model, ref_model, tokenizer, processor, dataset = load_models(cfg, dataset, vision, device)
+    model, ref_model, tokenizer, processor, dataset = load_models(cfg, dataset, eval_dataset, vision, device)
     reward_funcs = load_rewards(cfg, device)
     generate, stop_generator, push_weights = start_generator(cfg, model, tokenizer, processor, dataset, device)
     generate_eval = eval_generator(cfg, model, tokenizer, processor, device)
     optimizer, scheduler, total_steps = make_optimization(cfg, model, dataset)
-    torch.manual_seed(cfg.seed + distributed.rank())  # each rank samples different completions for its prompts
     state = checkpoint.start(cfg, model, optimizer, scheduler, ref_model)  # step, num_tokens, window, data position
-    sigterm = checkpoint.watch_sigterm(device)
+    stop_signal, health = checkpoint.watch_signals(device), RunHealth(cfg)  # a flag set by SIGTERM or Ctrl-C
     announce(cfg, model, device, total_steps)
     logger = Logger(cfg, total_steps, state)
     next_batch, source_state, stop_source = batch_source(cfg, generate, push_weights, dataset, reward_funcs,
                                                         tokenizer.pad_token_id, state)
-    step, num_tokens, saved_step, nonfinite, stopped = state["step"], state["num_tokens"], state["step"], 0, False
+    step, num_tokens, saved_step, stopped = state["step"], state["num_tokens"], state["step"], False
 
     while step < total_steps and not stopped:
         timings = {}
@@ -397,6 +429,7 @@ def main(argv=None):
         scored = score(cfg, batch, rows, reward_funcs, model, ref_model, step)
         sampled, batch_tokens = sample_metrics(cfg, batch, scored, reward_funcs, {**timings, **source_metrics})
         num_tokens += batch_tokens  # once per generated batch, however many passes train on it
+        health.scored(sampled["reward"], step)
         if step == 0:
             show_samples("before training", rows, batch, scored, cfg.num_generations)
         # ======== 3. Update: mu passes over the batch, one optimizer step each ========
@@ -409,20 +442,20 @@ def main(argv=None):
                 logger.completions(step, *completions_table(cfg, step, rows, batch, scored, reward_funcs))
             if eval_dataset is not None and step % cfg.eval_steps == 0:
                 logger.write(step, evaluate(cfg, generate_eval, eval_dataset, reward_funcs, step))
-            nonfinite = count_nonfinite(cfg, grad_norm, nonfinite)
+            health.stepped(grad_norm)
             if step >= total_steps:
                 break
-        # ======== checkpoint: every save_steps, at the end, and on SIGTERM (only between generations) ========
-        stopped = checkpoint.stop_requested(sigterm)
+        # ======== checkpoint: every save_steps, at the end, and on SIGTERM or Ctrl-C (between generations) ========
+        stopped = checkpoint.stop_requested(stop_signal)
         if stopped or checkpoint.save_due(cfg, step, saved_step, total_steps):
             checkpoint.save_checkpoint(cfg, model, optimizer, scheduler, dict(
                 step=step, num_tokens=num_tokens, window=logger.window, **source_state()), vision, ref_model)
             saved_step = step
 
-    logger.close()
     if not stopped and step > state["step"]:
+        health.check_trained(step - state["step"])
         show_samples("after training", rows, batch, scored, cfg.num_generations)
-    finish(cfg, model, processor or tokenizer, stopped, step)
+    finish(cfg, model, processor or tokenizer, stopped, step, logger)
     stop_source()  # joins the generation thread of async generation
     stop_generator()  # a colocated engine tears down torch.distributed's group itself: it goes first
     distributed.shutdown()

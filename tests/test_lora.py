@@ -81,7 +81,8 @@ def test_adapter_off_equals_the_untouched_base_after_training_tiny():
     model, cfg = adapted(base, num_generations=4, max_completion_length=6, per_device_train_batch_size=8)
     train_steps(model, cfg, tokenizer, ["12=", "345="], steps=3)
     off, on, base_logps = adapter_off_matches_base(untouched, model, tokenizer, ["4172=", "9="], cfg)
-    assert torch.equal(off, base_logps)  # bit for bit: with the adapter off the layer is the base layer's matmul
+    # with the adapter off the layer is the base layer's matmul: equal up to how threads split the work under load
+    torch.testing.assert_close(off, base_logps, atol=1e-5, rtol=0)
     assert (on - base_logps).abs().max() > 1e-2  # and the adapter did change the policy
 
 
@@ -93,7 +94,7 @@ def test_adapter_off_equals_the_untouched_base_after_training_smollm2(smollm2_di
     prompts = [[{"role": "user", "content": "What is 2 + 3?"}], [{"role": "user", "content": "Say hi."}]]
     train_steps(model, cfg, tokenizer, prompts, steps=2, lr=1e-3)
     off, on, base_logps = adapter_off_matches_base(untouched, model, tokenizer, prompts, cfg)
-    assert torch.equal(off, base_logps)
+    torch.testing.assert_close(off, base_logps, atol=1e-5, rtol=0)  # a wrong reference is off by > 1e-3
     assert (on - base_logps).abs().max() > 1e-3
 
 

@@ -70,8 +70,8 @@ def test_functions_receive_the_documented_keywords():
     ([1.0, 2.0], "must return a list of 4 floats"),
     (3.0, "must return a list of 4 floats"),
     ([1.0, "good", 0.0, 0.0], "returned a str"),
-    ([1.0, float("nan"), 0.0, 0.0], "non-finite"),
-    ([1.0, float("inf"), 0.0, 0.0], "non-finite"),
+    ([1.0, float("nan"), 0.0, 0.0], "not finite"),
+    ([1.0, float("inf"), 0.0, 0.0], "not finite"),
 ])
 def test_bad_outputs_are_named_errors(output, problem):
     def broken_reward(**kwargs):
@@ -83,7 +83,7 @@ def test_bad_outputs_are_named_errors(output, problem):
 def test_exception_in_reward_names_the_function_and_keeps_the_cause():
     def crashing_reward(**kwargs):
         raise KeyError("missing column")
-    with pytest.raises(RuntimeError, match="crashing_reward") as info:
+    with pytest.raises(rewards.RewardError, match="crashing_reward") as info:
         compute_rewards([crashing_reward], PROMPTS, COMPLETIONS, IDS, {})
     assert isinstance(info.value.__cause__, KeyError)
 

@@ -83,35 +83,35 @@ def test_embedded_preset_applies_only_without_model_and_flags_win():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--num_generations", "1"], "num_generations=1"),
+    (["--num_generations", "1"], "--num_generations 1: must be >= 2"),
     (["--per_device_train_batch_size", "6", "--num_generations", "4"], "not divisible by num_generations=4"),
     (["--reward_funcs", "no_such_reward"], "unknown reward function 'no_such_reward'"),
     (["--reward_funcs", "task_reward", "--reward_weights", "1", "2"], "2 reward_weights for 1 reward_funcs"),
-    (["--beta", "-1"], "beta=-1.0 must be >= 0"),
-    (["--temperature", "0"], "temperature=0.0 must be > 0"),
-    (["--num_iterations", "0"], "num_iterations=0 must be >= 1"),
-    (["--epsilon", "1.5"], "epsilon=1.5 must be in [0, 1)"),
-    (["--max_completion_length", "0"], "max_completion_length=0 must be >= 1"),
+    (["--beta", "-1"], "--beta -1.0: must be >= 0"),
+    (["--temperature", "0"], "--temperature 0.0: must be > 0"),
+    (["--num_iterations", "0"], "--num_iterations 0: must be >= 1"),
+    (["--epsilon", "1.5"], "--epsilon 1.5: must be in [0, 1)"),
+    (["--max_completion_length", "0"], "--max_completion_length 0: must be >= 1"),
     (["--reward_clip_range", "1", "0"], "reward_clip_range=[1.0, 0.0]"),
     (["--reward_funcs", "no_file.py:fn"], "reward function file 'no_file.py' does not exist"),
     (["--cpu_offload"], "cpu_offload shards with FSDP2"),
-    (["--chat_template_kwargs", "{bad"], "chat_template_kwargs is not valid JSON"),
+    (["--chat_template_kwargs", "{bad"], "--chat_template_kwargs {bad: must be a JSON object"),
     (["--model", "/no/such/model", "--dataset", "tests/data/math.jsonl", "--reward_funcs", "accuracy_reward"],
      "cannot load model '/no/such/model'"),
     (["--dataset", "/no/such/data.jsonl"], "dataset file '/no/such/data.jsonl' does not exist"),
     (["--dataset", "./no_such_file.jsonl"], "dataset file './no_such_file.jsonl' does not exist"),
-    (["--model_init_kwargs", '["dtype"]'], "model_init_kwargs must be a JSON object"),
+    (["--model_init_kwargs", '["dtype"]'], "--model_init_kwargs [\"dtype\"]: must be a JSON object"),
     (["--model_init_kwargs", '{"dtype": "bfloat16"}'], "apply to a model loaded with --model"),
-    (["--generation_kwargs", '{"seed": 1}'], "generation_kwargs ['seed'] not supported; supported: min_tokens"),
-    (["--num_generations_eval", "0"], "num_generations_eval=0 must be >= 1"),
+    (["--generation_kwargs", '{"seed": 1}'], "must be a JSON object with keys min_tokens (int)"),
+    (["--num_generations_eval", "0"], "--num_generations_eval 0: must be >= 1"),
     (["--lora_target_modules", "q_proj"], "train a LoRA adapter: add --use_peft"),
     (["--use_peft", "--sync_ref_model"], "with --use_peft the reference is the base model under the adapter"),
     (["--sync_ref_model", "--beta", "0"], "drop --sync_ref_model"),
-    (["--sync_ref_model", "--ref_model_mixup_alpha", "2"], "ref_model_mixup_alpha=2.0 must be in [0, 1]"),
+    (["--sync_ref_model", "--ref_model_mixup_alpha", "2"], "--ref_model_mixup_alpha 2.0: must be in [0, 1]"),
     (["--use_peft", "--lora_target_modules", "no_such_layer"], "cannot add a LoRA adapter"),
     (["--use_peft", "--lora_target_modules", "model.embed_tokens"], "only linear layers are supported"),
     (["--async_generation"], "--async_generation needs --use_vllm --vllm_mode server"),
-    (["--dynamic_sampling", "--max_dynamic_sampling_rounds", "-1"], "max_dynamic_sampling_rounds=-1 must be >= 0"),
+    (["--dynamic_sampling", "--max_dynamic_sampling_rounds", "-1"], "--max_dynamic_sampling_rounds -1: must be >= 0"),
 ])
 def test_bad_config_fails_at_startup_with_one_clear_line(args, message):
     out = run(args)
@@ -124,7 +124,7 @@ def test_conversations_with_a_tokenizer_without_chat_template_fail_at_startup(ti
     data.write_text('{"prompt": [{"role": "user", "content": "12="}], "target": "12"}\n' * 8)
     out = run(["--model", str(tiny_model_dir), "--dataset", str(data), "--reward_funcs", "task_reward"])
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
-    assert "prompts are conversations but" in out.stderr and "has no chat template" in out.stderr
+    assert "the prompt is a conversation but" in out.stderr and "has no chat template" in out.stderr
 
 
 def test_process_group_has_a_cpu_backend_beside_nccl():
@@ -468,7 +468,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr[-3000:]
-    assert "SIGTERM: saved checkpoint-" in stdout
+    assert "stopped by a signal: saved checkpoint-" in stdout
     (saved,) = checkpoint.checkpoint_dirs(str(tmp_path))
     assert json.load(open(os.path.join(saved, "trainer_state.json")))["step"] >= 3
 
@@ -616,7 +616,7 @@ def test_reward_function_crash_names_it_and_keeps_the_last_checkpoint(tmp_path):
     out = run(FAST + ["--max_steps", "6", "--save_steps", "2", "--reward_funcs", f"{bad}:flaky_reward",
                       "--output_dir", str(tmp_path / "run")])
     assert out.returncode != 0
-    assert "reward function 'flaky_reward' raised ZeroDivisionError: bad batch" in out.stderr
+    assert "reward function 'flaky_reward' raised at step 3: ZeroDivisionError: bad batch" in out.stderr
     assert 'flaky.py", line 3' in out.stderr  # the original traceback is shown
     assert [os.path.basename(p) for p in checkpoint.checkpoint_dirs(str(tmp_path / "run"))] == ["checkpoint-2"]
 

@@ -1,0 +1,460 @@
+"""Bad input, one row per case: each kind of input (flags, dataset rows, reward functions and their outputs,
+checkpoints, signals, the disk) is checked where it enters, and each case ends in one clear line naming the flag,
+row, function or checkpoint at fault, with no traceback and nothing lost (README 'When something goes wrong').
+
+Cheap cases run in this process through the checkers themselves; the rest run train.py end to end."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import data
+import rewards
+import train
+from test_train import FAST, read_metrics, run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def startup_error(args):
+    """The one line check_config stops with for these flags (parsing included), or None."""
+    try:
+        train.check_config(train.parse_config(args))
+    except SystemExit as e:
+        return str(e)
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ flags
+
+FLAG_CASES = [  # (flags, what the line must say); marked "ours" where the issue did not list the case
+    (["--save_total_limit", "-1"], "--save_total_limit -1: must be >= 1"),  # deleted every checkpoint
+    (["--max_grad_norm", "-1"], "--max_grad_norm -1.0: must be >= 0"),  # gradient ascent
+    (["--top_p", "2"], "--top_p 2.0: must be in (0, 1]"),
+    (["--top_p", "nan"], "--top_p nan: must be in (0, 1]"),
+    (["--max_steps", "-5"], "--max_steps -5: must be -1 (run num_train_epochs) or >= 1"),
+    (["--num_train_epochs", "0"], "--num_train_epochs 0.0: must be > 0"),
+    (["--beta", "nan"], "--beta nan: must be >= 0"),
+    (["--reward_weights", "nan"], "--reward_weights nan: must be finite"),
+    (["--learning_rate", "-1"], "--learning_rate -1.0: must be >= 0"),
+    (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size 0: must be >= 1"),
+    (["--logging_steps", "0"], "--logging_steps 0: must be >= 1"),
+    (["--eval_steps", "0"], "--eval_steps 0: must be >= 1"),
+    (["--top_k", "-1"], "--top_k -1: must be >= 0"),
+    (["--repetition_penalty", "0"], "--repetition_penalty 0.0: must be > 0"),
+    (["--temperature", "nan"], "--temperature nan: must be > 0"),
+    (["--seed", "-1"], "--seed -1: must be in [0, 4294967295]"),
+    (["--lr_scheduler_type", "bogus"], "--lr_scheduler_type bogus: must be one of linear, cosine"),
+    (["--generation_kwargs", '{"min_tokens": "4"}'], "--generation_kwargs"),
+    (["--eval_split", "test"], "--eval_split 'test' names a split of --dataset, and there is none"),
+    # ours
+    (["--lora_r", "0"], "--lora_r 0: must be >= 1"),
+    (["--lora_alpha", "0"], "--lora_alpha 0: must be > 0"),
+    (["--lora_dropout", "1"], "--lora_dropout 1.0: must be in [0, 1)"),
+    (["--vllm_server_port", "70000"], "--vllm_server_port 70000: must be in [1, 65535]"),
+    (["--warmup_ratio", "1.5"], "--warmup_ratio 1.5: must be in [0, 1]"),
+    (["--weight_decay", "-0.1"], "--weight_decay -0.1: must be >= 0"),
+    (["--epsilon_high", "-1"], "--epsilon_high -1.0: must be >= 0"),
+    (["--vllm_gpu_memory_utilization", "0"], "--vllm_gpu_memory_utilization 0.0: must be in (0, 1]"),
+    (["--ddp_timeout", "0"], "--ddp_timeout 0.0: must be > 0"),
+    (["--reward_timeout", "-1"], "--reward_timeout -1.0: must be > 0"),
+    (["--generation_chunk_size", "-1"], "--generation_chunk_size -1: must be >= 0"),
+    (["--async_generation_lag", "-1"], "--async_generation_lag -1: must be >= 0"),
+    (["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps 0: must be >= 1"),
+    (["--min_p", "1.5"], "--min_p 1.5: must be in [0, 1]"),
+    (["--seed", str(2**40)], "must be in [0, 4294967295]"),
+    (["--vllm_importance_sampling_cap", "0.5"], "--vllm_importance_sampling_cap 0.5: must be >= 1"),
+    (["--chat_template_kwargs", "[1]"], "--chat_template_kwargs [1]: must be a JSON object"),
+    (["--model_init_kwargs", "{bad"], "--model_init_kwargs {bad: must be a JSON object"),
+    (["--lr_scheduler_type", "reduce_lr_on_plateau"], "must be one of linear"),  # needs a metric to step
+    (["--generation_kwargs", '{"stop_token_ids": [1.5]}'], "stop_token_ids (list)"),
+    (["--vllm_tensor_parallel_size", "0"], "--vllm_tensor_parallel_size 0: must be >= 1"),
+    (["--max_nonfinite_steps", "0"], "--max_nonfinite_steps 0: must be >= 1"),
+    (["--reward_clip_range", "nan", "1"], "--reward_clip_range nan 1.0: must be finite"),
+    (["--save_steps", "-1"], "--save_steps -1: must be >= 0"),
+    (["--learning_rate", "inf"], "--learning_rate inf: must be >= 0"),
+    (["--vllm_kv_cache_memory_bytes", "0"], "--vllm_kv_cache_memory_bytes 0: must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("args, message", FLAG_CASES, ids=[" ".join(a) for a, _ in FLAG_CASES])
+def test_a_bad_flag_is_one_line_naming_it_before_anything_loads(args, message):
+    error = startup_error(args)
+    assert error is not None and message in error, error
+    assert error.startswith("error: ") and "\n" not in error
+
+
+def test_help_states_each_default_as_it_applies_and_each_domain():
+    out = run(["--help"])
+    assert out.returncode == 0 and "Failed to load CPU gemm_4bit_forward" not in out.stdout + out.stderr
+    assert "['task_reward']" not in out.stdout.split("Without --model")[0]  # the preset's, not the default
+    assert "[in (0, 1]]" in out.stdout and "[>= 2]" in out.stdout
+
+
+def test_output_dir_that_is_a_file_or_read_only_fails_at_startup(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    assert "--output_dir" in startup_error(["--output_dir", str(tmp_path / "a_file")]) and "is a file" in \
+        startup_error(["--output_dir", str(tmp_path / "a_file")])
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a read-only tmpfs here (needs root); the file case ran")
+    try:
+        assert "is not writable" in startup_error(["--output_dir", str(mount / "run")])
+    finally:
+        subprocess.run(["umount", str(mount)])
+
+
+# ------------------------------------------------------------------------------------------------ dataset rows
+
+def data_error(tmp_path, lines=None, text=None, name="data.jsonl", extra=(), tokenizer_template=None):
+    """The one line the data checks stop with for a dataset file (lines: JSON rows), or None."""
+    path = tmp_path / name
+    if text is not None:
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    elif lines is not None:
+        path.write_text("".join(json.dumps(row) + "\n" for row in lines))
+    cfg = train.parse_config(["--dataset", str(path), "--per_device_train_batch_size", "2", "--num_generations", "2",
+                              *extra])
+    model, tokenizer, _ = data.embedded_task(0)
+    tokenizer.chat_template = tokenizer_template
+    try:
+        train.check_config(cfg)
+        dataset, eval_dataset, _ = data.load_datasets(cfg)
+        data.check_data(dataset, tokenizer, None, model, cfg)
+        if eval_dataset is not None:
+            data.check_data(eval_dataset, tokenizer, None, model, cfg, "eval split")
+        if not hasattr(dataset, "__len__"):
+            next(data.prompt_batches(dataset, cfg, 0))
+    except SystemExit as e:
+        return str(e)
+    return None
+
+
+GOOD = {"prompt": "12=", "target": "12"}
+TEMPLATE = ("{% for m in messages %}{% if m.role not in ['system', 'user', 'assistant'] %}"
+            "{{ raise_exception('unknown role ' + m.role) }}{% endif %}{{ m.content }}{% endfor %}")
+DATA_CASES = {  # name: (rows or raw text, what the line must say, extra flags)
+    "empty file": (b"", "is empty", ()),
+    "no prompt column": ([{"question": "1=", "target": "1"}] * 4, "has no 'prompt' column", ()),
+    "int prompt": ([GOOD, {"prompt": 1234, "target": "1"}], "row 1: the prompt is '1234' of type int", ()),
+    "dict prompt": ([GOOD, GOOD, {"prompt": {"a": 1}, "target": "1"}], "row 2: the prompt is", ()),
+    "null prompt": ([{"prompt": None, "target": "1"}, GOOD], "row 0: the prompt is 'None' of type NoneType", ()),
+    "empty string": ([GOOD, {"prompt": "  ", "target": "1"}], "row 1: the prompt is an empty string", ()),
+    "pre-split words": ([{"prompt": ["1", "2", "="], "target": "12"}, GOOD], "pre-split words are not", ()),
+    "non-UTF-8": (b'{"prompt": "12=", "target": "12"}\n{"prompt": "\xff1=", "target": "1"}\n',
+                  "is not UTF-8: byte 46 (line 2)", ()),
+    "CSV digits": (b"prompt,target\n1234,1234\n5678,5678\n", "of type int (a CSV column of digits", ()),
+    "message without content": ([{"prompt": [{"role": "user"}], "target": "1"}] * 2, "has no 'content'", ()),
+    "unknown role": ([{"prompt": [{"role": "robot", "content": "1="}], "target": "1"}] * 2,
+                     "row 0: the chat template cannot render this prompt", ("TEMPLATE",)),
+    "template checked on every row": ([GOOD] * 3 + [{"prompt": [{"role": "user", "content": "1="}], "target": "1"}],
+                                      "row 3: the prompt is a conversation but", ()),
+    "streaming, empty": (b"\n", "is empty", ("--streaming", "--max_steps", "2")),
+    "streaming, bad row at first use": ([GOOD, {"prompt": 5, "target": "5"}] * 2, "stream row 1: the prompt is '5'",
+                                        ("--streaming", "--max_steps", "2", "--shuffle_dataset", "false",
+                                         "--per_device_train_batch_size", "4")),
+    # ours
+    "truncated JSON line": (b'{"prompt": "12=", "target": "12"}\n{"prompt": "1=", "tar', "cannot load dataset", ()),
+    "empty conversation": ([{"prompt": [], "target": "1"}, GOOD], "an empty list of messages", ()),
+    "message that is a string": ([{"prompt": [{"role": "user", "content": "1"}, "hello"], "target": "1"}] * 2,
+                                 "item 1 is 'hello' of type str", ()),
+    "role missing": ([{"prompt": [{"content": "1="}], "target": "1"}] * 2, "has no string 'role'", ()),
+    "too long for the context": ([GOOD, {"prompt": "1" * 70, "target": "1"}], "row 1: the longest prompt has 70", ()),
+    "eval prompt too long": ({"train": [GOOD] * 2, "test": [GOOD, GOOD, {"prompt": "1" * 70, "target": "1"}]},
+                             "eval split row 2: the longest prompt has 70", ("--eval_split", "test")),
+}
+
+
+@pytest.mark.parametrize("case", list(DATA_CASES))
+def test_a_bad_dataset_row_is_one_line_naming_the_row(tmp_path, case):
+    rows, message, extra = DATA_CASES[case]
+    template = TEMPLATE if "TEMPLATE" in extra else None
+    extra = tuple(e for e in extra if e != "TEMPLATE")
+    raw = rows if isinstance(rows, bytes) else None
+    name = "data.csv" if case == "CSV digits" else "data.jsonl"
+    if isinstance(rows, dict):  # named splits: a save_to_disk DatasetDict
+        from datasets import Dataset, DatasetDict
+        DatasetDict({k: Dataset.from_list(v) for k, v in rows.items()}).save_to_disk(tmp_path / "splits")
+        rows, name = None, "splits"
+    error = data_error(tmp_path, rows, raw, name, extra, template)
+    assert error is not None and message in error, error
+    assert "\n" not in error
+
+
+def test_a_model_directory_passed_as_the_dataset(tmp_path):
+    model, tokenizer, _ = data.embedded_task(0)
+    model.save_pretrained(tmp_path / "model")
+    error = startup_error(["--dataset", str(tmp_path / "model")]) or ""
+    try:
+        data.load_datasets(train.parse_config(["--dataset", str(tmp_path / "model")]))
+    except SystemExit as e:
+        error = str(e)
+    assert "is a model directory" in error
+
+
+def test_a_streaming_dataset_with_an_eval_split_evaluates(tmp_path):
+    """It trained until the first evaluation, then len() of the stream raised: the eval split loads whole."""
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"{i}{i}=", "target": f"{i}{i}"}) + "\n"
+                                                 for i in range(10)))
+    out = run(["--dataset", str(tmp_path / "data.jsonl"), "--streaming", "--eval_split", "train", "--eval_steps", "2",
+               "--max_steps", "2", "--per_device_train_batch_size", "8", "--num_generations", "4", "--logging_steps",
+               "1", "--output_dir", str(tmp_path / "run")])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert any("eval_reward" in m for m in read_metrics(tmp_path / "run"))
+
+
+# ------------------------------------------------------------------------------------------------ reward functions
+
+REWARD_FILE = '''
+import asyncio, sys, time
+def exits(completions, **kw): sys.exit(0)
+def interrupts(completions, **kw): raise KeyboardInterrupt
+def helper(): raise KeyError("no such column")
+def raises(completions, **kw): return helper()
+def nan(completions, **kw): return [float("nan")] * len(completions)
+def inf(completions, **kw): return [float("inf")] * len(completions)
+def overflows(completions, **kw): return [1e39] * len(completions)
+def strings(completions, **kw): return ["1"] * len(completions)
+def short(completions, **kw): return [1.0]
+def nothing(completions, **kw): return None
+def mapping(completions, **kw): return {"a": 1.0}
+def sleeps(completions, **kw): time.sleep(60)
+async def async_sleeps(completions, **kw): await asyncio.sleep(60)
+async def async_raises(completions, **kw): raise ValueError("judge down")
+def flags(completions, **kw): return [True] * len(completions)
+not_a_function = 3
+'''
+REWARD_CASES = {  # function: what the line must say (None: accepted)
+    "exits": "reward function 'exits' raised at step 0: it called sys.exit(0)",
+    "interrupts": "reward function 'interrupts' raised at step 0: KeyboardInterrupt",
+    "raises": "reward function 'raises' raised at step 0: KeyError: 'no such column' (",
+    "nan": "reward function 'nan' returned a value that is not finite in float32 (nan)",
+    "inf": "returned a value that is not finite in float32 (inf)",
+    "overflows": "returned a value that is not finite in float32 (1e+39)",  # finite in Python, inf in float32
+    "strings": "reward function 'strings' returned a str ('1') for completion 0",
+    "short": "must return a list of 4 floats (one per completion), got length 1",
+    "nothing": "must return a list of 4 floats (one per completion), got NoneType",
+    "mapping": "must return a list of 4 floats",
+    "sleeps": "reward function 'sleeps' at step 0 did not return within --reward_timeout 0.5 s",
+    "async_sleeps": "reward function 'async_sleeps' at step 0 did not return within --reward_timeout 0.5 s",
+    "async_raises": "reward function 'async_raises' raised at step 0: ValueError: judge down",
+    "flags": None,  # True is 1.0, as in TRL
+}
+
+
+@pytest.mark.parametrize("name", list(REWARD_CASES))
+def test_a_failing_or_invalid_reward_is_one_line_naming_the_function_and_step(tmp_path, name, capsys):
+    (tmp_path / "bad_rewards.py").write_text(REWARD_FILE)
+    func = rewards.load_reward_func(f"{tmp_path / 'bad_rewards.py'}:{name}")
+    batch = {"texts": ["a", "b", "c", "d"], "completion_lists": [[1], [2], [3], [4]],
+             "completion_mask": torch.ones(4, 1)}
+    try:
+        out = rewards.call_rewards([func], {"prompt": ["x", "y"]}, batch, 2, 0, timeout=0.5)
+        error = None
+    except SystemExit as e:
+        error = str(e)
+    if REWARD_CASES[name] is None:
+        assert error is None and out[:, 0].tolist() == [1.0] * 4
+        return
+    assert error is not None and REWARD_CASES[name] in error and "\n" not in error, error
+    if name == "raises":  # the reward's own traceback, not rloo's
+        printed = capsys.readouterr().err
+        assert "bad_rewards.py" in printed and "helper" in printed and rewards.__file__ not in printed
+
+
+LOAD_CASES = {
+    "syntax.py": ("def f(:\n    pass\n", "f", "cannot load reward function file", "SyntaxError"),
+    "imports.py": ("import no_such_package_xyz\n", "f", "ModuleNotFoundError: No module named 'no_such_package_xyz'",
+                   "imports.py, line 1"),
+    "raises_at_import.py": ("raise RuntimeError('config missing')\n", "f", "RuntimeError: config missing", ""),
+    "exits_at_import.py": ("import sys\nsys.exit(3)\n", "f", "it called sys.exit(3)", ""),
+    "not_callable.py": ("x = 3\n", "x", "not_callable.py:x is a int, not a function", ""),
+    "missing.py": ("def g(**kw): return []\n", "f", "has no function 'f'", ""),
+}
+
+
+@pytest.mark.parametrize("file", list(LOAD_CASES))
+def test_a_reward_file_that_does_not_load_is_one_line_naming_it(tmp_path, file):
+    source, name, message, where = LOAD_CASES[file]
+    (tmp_path / file).write_text(source)
+    error = startup_error(["--reward_funcs", f"{tmp_path / file}:{name}"]) or ""
+    if not error:  # loading happens after the config checks: train.load_rewards turns it into one line
+        try:
+            train.load_rewards(train.parse_config(["--reward_funcs", f"{tmp_path / file}:{name}"]), torch.device("cpu"))
+        except SystemExit as e:
+            error = str(e)
+    assert message in error and where in error and "\n" not in error, error
+
+
+def test_a_causal_lm_is_not_taken_for_a_reward_model(tmp_path):
+    model, tokenizer, _ = data.embedded_task(0)
+    model.save_pretrained(tmp_path / "lm")
+    tokenizer.save_pretrained(tmp_path / "lm")
+    with pytest.raises(ValueError, match="Qwen2ForCausalLM with no sequence-classification head"):
+        rewards.load_reward_func(str(tmp_path / "lm"))
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+
+def reward_file(tmp_path, body):
+    path = tmp_path / "user_rewards.py"
+    path.write_text(body)
+    return str(path)
+
+
+def no_traceback(out):
+    assert "Traceback (most recent call last)" not in out.stderr.replace("Traceback of the reward function", ""), \
+        out.stderr[-3000:]
+
+
+def test_a_reward_that_exits_does_not_end_the_run_silently(tmp_path):
+    rewards_py = reward_file(tmp_path, "import sys\ndef bye(completions, **kw):\n    sys.exit(0)\n")
+    out = run(FAST + ["--reward_funcs", f"{rewards_py}:bye", "--output_dir", str(tmp_path / "run")])
+    assert out.returncode != 0 and "reward function 'bye' raised at step 0: it called sys.exit(0)" in out.stderr
+    assert not (tmp_path / "run" / "model.safetensors").exists()
+
+
+def test_sigterm_stops_a_reward_that_never_returns(tmp_path):
+    rewards_py = reward_file(tmp_path, "import asyncio\nasync def stuck(completions, **kw):\n"
+                                       "    await asyncio.sleep(10**6)\n")
+    proc = subprocess.Popen([sys.executable, "train.py", *FAST, "--reward_funcs", f"{rewards_py}:stuck",
+                             "--output_dir", str(tmp_path / "run")], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    while not (tmp_path / "run" / "metrics.jsonl").exists():  # the logger opens it just before the loop
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        time.sleep(0.1)
+    time.sleep(2)
+    start = time.time()
+    proc.send_signal(signal.SIGTERM)  # the reward gets 10 s to finish its step, then is stopped
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "SIGTERM while reward function 'stuck' was running at step 0" in stderr
+    assert 9 < time.time() - start < 60
+
+
+def test_rewards_that_score_nothing_warn_then_stop(tmp_path):
+    rewards_py = reward_file(tmp_path, "def never(completions, **kw):\n    return [None] * len(completions)\n")
+    out = run(FAST[:1] + ["5"] + FAST[2:] + ["--reward_funcs", f"{rewards_py}:never", "--output_dir",
+                                             str(tmp_path / "run")])
+    assert out.returncode != 0 and out.stderr.count("every reward function returned None") == 1
+    assert "3 batches in a row were scored by no reward function" in out.stderr
+    no_traceback(out)
+
+
+def test_a_run_that_trained_nothing_exits_non_zero_and_saves_no_model(tmp_path):
+    """Rewards of +-3e38 make every gradient inf: each step is skipped; 2 steps < max_nonfinite_steps (3)."""
+    rewards_py = reward_file(tmp_path, "def huge(completions, **kw):\n"
+                                       "    return [3e38 if i % 2 else -3e38 for i in range(len(completions))]\n")
+    out = run(FAST[:1] + ["2"] + FAST[2:] + ["--reward_funcs", f"{rewards_py}:huge", "--output_dir",
+                                             str(tmp_path / "run")])
+    assert out.returncode != 0 and "none of the 2 optimizer steps updated the weights" in out.stderr
+    assert not (tmp_path / "run" / "model.safetensors").exists()
+    no_traceback(out)
+
+
+def train_until(args, out_dir, steps_logged):
+    proc = subprocess.Popen([sys.executable, "train.py", *args, "--output_dir", str(out_dir)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    while not (out_dir / "metrics.jsonl").exists() or len(read_metrics(out_dir)) < steps_logged:
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        time.sleep(0.05)
+    return proc
+
+
+def test_ctrl_c_saves_a_checkpoint_like_sigterm_and_a_second_one_exits_at_once(tmp_path):
+    """The reward takes 0.5 s, so the signals arrive mid-step: the first one lets the reward finish and the step
+    checkpoint; a second exits without waiting."""
+    rewards_py = reward_file(tmp_path, "import time\nfrom rewards import task_reward\n"
+                                       "def slow(**kw):\n    time.sleep(0.5)\n    return task_reward(**kw)\n")
+    args = ["--max_steps", "100000", "--logging_steps", "1", "--save_steps", "0", "--per_device_train_batch_size",
+            "16", "--reward_funcs", f"{rewards_py}:slow"]
+    proc = train_until(args, tmp_path / "once", 3)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-2000:]
+    assert "stopped by a signal: saved checkpoint-" in stdout and "--resume_from_checkpoint latest" in stdout
+    assert any(p.startswith("checkpoint-") for p in os.listdir(tmp_path / "once"))
+    proc = train_until(args, tmp_path / "twice", 3)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "second Ctrl-C: exiting now" in stderr
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_last_one(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root) to fill")
+    try:
+        out = run(FAST[:1] + ["6"] + FAST[2:] + ["--save_steps", "2", "--output_dir", str(disk / "run")])
+        assert out.returncode != 0 and "No space left on device" in out.stderr, out.stderr[-2000:]
+        assert "the last complete checkpoint, " in out.stderr and "checkpoint-2, is intact" in out.stderr
+        assert sorted(os.listdir(disk / "run")) == ["checkpoint-2", "metrics.jsonl"]  # no .tmp left behind
+        no_traceback(out)
+    finally:
+        subprocess.run(["umount", str(disk)])
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A finished run with checkpoints 2, 4 and 6, copied afresh for each damage."""
+    out = tmp_path_factory.mktemp("ckpt") / "run"
+    done = run(FAST[:1] + ["6"] + FAST[2:] + ["--save_steps", "2", "--output_dir", str(out)])
+    assert done.returncode == 0, done.stderr[-2000:]
+    return out
+
+
+DAMAGE = {
+    "truncated shard": lambda d: os.truncate(next(d.glob("*.distcp")), 100),
+    "deleted .metadata": lambda d: (d / ".metadata").unlink(),
+    "truncated trainer_state.json": lambda d: (d / "trainer_state.json").write_text('{"step": 6, "num_to'),
+    "deleted manifest": lambda d: (d / "manifest.json").unlink(),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_checkpoint_is_one_line_and_latest_passes_over_it(tmp_path, checkpoints, damage):
+    run_dir = tmp_path / "run"
+    shutil.copytree(checkpoints, run_dir)
+    DAMAGE[damage](run_dir / "checkpoint-6")
+    explicit = run(FAST[:1] + ["8"] + FAST[2:] + ["--output_dir", str(run_dir), "--resume_from_checkpoint",
+                                                  str(run_dir / "checkpoint-6")])
+    assert explicit.returncode != 0 and f"checkpoint '{run_dir / 'checkpoint-6'}' is damaged" in explicit.stderr
+    assert f"--resume_from_checkpoint {run_dir / 'checkpoint-4'}" in explicit.stderr
+    no_traceback(explicit)
+    latest = run(FAST[:1] + ["8"] + FAST[2:] + ["--output_dir", str(run_dir), "--resume_from_checkpoint", "latest"])
+    assert latest.returncode == 0, latest.stderr[-2000:]
+    assert "checkpoint-6 is damaged" in latest.stderr and "resumed from" in latest.stdout
+    assert "checkpoint-4 at step 4" in latest.stdout
+
+
+def test_resuming_with_other_flags_says_which_take_effect(tmp_path, checkpoints):
+    run_dir = tmp_path / "run"
+    shutil.copytree(checkpoints, run_dir)
+    out = run(FAST[:1] + ["8"] + FAST[2:] + ["--output_dir", str(run_dir), "--resume_from_checkpoint", "latest",
+                                             "--learning_rate", "0.5", "--beta", "0.3"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "learning_rate 0.001 -> 0.5 (the checkpoint value stays)" in out.stderr
+    assert "beta 0.02 -> 0.3 (the new value applies)" in out.stderr
+    assert all(m["learning_rate"] == pytest.approx(1e-3) for m in read_metrics(run_dir) if m["step"] > 6)
+
+
+def test_save_total_limit_never_deletes_the_checkpoint_just_written(tmp_path, checkpoints):
+    """Resumed from checkpoint-2 of a run that got to 6: the new checkpoint-4 is the one kept, not the older run's 6."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(checkpoints, run_dir)
+    out = run(FAST[:1] + ["4"] + FAST[2:] + ["--output_dir", str(run_dir), "--save_steps", "2", "--save_total_limit",
+                                             "1", "--resume_from_checkpoint", str(run_dir / "checkpoint-2")])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert sorted(p for p in os.listdir(run_dir) if p.startswith("checkpoint")) == ["checkpoint-4"]
