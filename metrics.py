@@ -1,8 +1,10 @@
-"""What a run reports: the generation metrics of a gathered batch (TRL's names, README 'Metrics'), a timer for the
-time/* phases, and the Logger that averages a window of steps and writes metrics.jsonl, the progress bar and wandb.
+"""What a run reports: the generation metrics of a gathered batch (TRL's names, README 'Metrics'), a
+timer for the time/* phases, and the Logger that averages a window of steps and writes
+metrics.jsonl, the progress bar and wandb.
 
-The collectives that bring every rank's numbers together are in distributed.py; this file only does arithmetic and
-writing. Non-zero ranks get a Logger whose calls do nothing, so the loop has no `if rank == 0`.
+The collectives that bring every rank's numbers together are in distributed.py; this file only does
+arithmetic and writing. Non-zero ranks get a Logger whose calls do nothing, so the loop has no `if
+rank == 0`.
 """
 
 import json
@@ -13,14 +15,17 @@ from contextlib import contextmanager
 from dataclasses import asdict
 
 import torch
+from tqdm import tqdm
 
 import distributed
 from rloo import combine_rewards
+from rollout import repeat_each
 
 
 @contextmanager
 def timed(timings, name):
-    """Add the wall-clock seconds the block takes to timings[name] (on a GPU, queued work finishes later)."""
+    """Add the wall-clock seconds the block takes to timings[name] (on a GPU, queued work finishes
+    later)."""
     start = time.perf_counter()
     try:
         yield
@@ -34,7 +39,8 @@ def nanstd(x):
 
 
 def group_nanstd(rewards, G):
-    """Std of each group's scorable (non-NaN) rewards, NaN below two of them (TRL's nanstd).  [B] -> [P]"""
+    """Std of each group's scorable (non-NaN) rewards, NaN below two of them (TRL's nanstd).  [B] ->
+    [P]"""
     grouped = rewards.view(-1, G)
     n = (~torch.isnan(grouped)).sum(-1)
     deviation = torch.nan_to_num(grouped - grouped.nanmean(-1, keepdim=True))
@@ -42,41 +48,94 @@ def group_nanstd(rewards, G):
 
 
 def generation_metrics(columns, names, weights, G):
-    """Step metrics on the gathered global batch (TRL's names). columns: rewards_per_func [B, K] (NaN = None),
-    rewards [B] (KL-shaped, for frac_reward_zero_std), lengths [B], truncated [B], and, when beta > 0, kl_sums [B]
-    with loss_tokens [B] (the tokens the KL was summed over)."""
-    rewards_per_func, lengths, truncated = columns["rewards_per_func"], columns["lengths"], columns["truncated"]
-    reward = combine_rewards(rewards_per_func, weights)  # before KL and clipping
+    """Step metrics on the gathered global batch (TRL's names). columns: rewards_per_func [B, K]
+    (NaN = None), rewards [B] (KL-shaped, for frac_reward_zero_std), lengths [B], truncated [B],
+    and, when beta > 0, kl_sums [B] with loss_tokens [B] (the tokens the KL was summed over)."""
+    rewards_per_func, lengths = columns["rewards_per_func"], columns["lengths"]
+    truncated = columns["truncated"]
+    # before KL and clipping; float64: a mean of +-3e38 rewards is finite (NaN: nothing scored)
+    reward = combine_rewards(rewards_per_func, weights).double()
     terminated = lengths[~truncated.bool()]
-    reward = reward.double()  # a mean of +-3e38 rewards is finite (and NaN only when nothing was scored)
     m = {"reward": reward.nanmean().item(), "reward_std": nanstd(reward),
-         "frac_reward_zero_std": group_nanstd(columns["rewards"], G).eq(0).float().mean().item(),  # NaN: not 0
-         "completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
-         "completions/max_length": lengths.max().item(), "completions/clipped_ratio": truncated.float().mean().item(),
-         "completions/mean_terminated_length": terminated.mean().item() if len(terminated) else float("nan"),
-         "completions/min_terminated_length": terminated.min().item() if len(terminated) else float("nan"),
-         "completions/max_terminated_length": terminated.max().item() if len(terminated) else float("nan")}
+         # groups with fewer than two scored members have a NaN std: they do not count as 0
+         "frac_reward_zero_std": group_nanstd(columns["rewards"], G).eq(0).float().mean().item(),
+         "completions/mean_length": lengths.mean().item(),
+         "completions/min_length": lengths.min().item(),
+         "completions/max_length": lengths.max().item(),
+         "completions/clipped_ratio": truncated.float().mean().item()}
+    for stat in ("mean", "min", "max"):
+        value = getattr(terminated, stat)().item() if len(terminated) else float("nan")
+        m[f"completions/{stat}_terminated_length"] = value
     for k, name in enumerate(names):
         m[f"rewards/{name}/mean"] = rewards_per_func[:, k].nanmean().item()
         m[f"rewards/{name}/std"] = nanstd(rewards_per_func[:, k])
-    if columns.get("kl_sums") is not None:
-        m["kl"] = (columns["kl_sums"].sum() / columns["loss_tokens"].sum().clamp(min=1)).item()  # token-weighted k1
+    if columns.get("kl_sums") is not None:  # token-weighted k1
+        m["kl"] = (columns["kl_sums"].sum() / columns["loss_tokens"].sum().clamp(min=1)).item()
     return m
 
 
+def batch_metrics(cfg, batch, scores, rewards, timings):
+    """A generated batch's metrics over all ranks (README 'Metrics'), and its prompt + completion
+    tokens. batch: a Rollout; scores: train.Scores; rewards: rewards.RewardFunctions."""
+    columns = distributed.gather({  # [world * B] each
+        "rewards_per_func": scores.rewards_per_func.T, "rewards": scores.rewards,
+        "lengths": batch.completion_mask.sum(-1).float(), "truncated": batch.truncated.float(),
+        "kl_sums": scores.kl_sums, "loss_tokens": scores.loss_mask.sum(-1),
+        "tokens": (batch.prompt_mask.sum(-1) + batch.completion_mask.sum(-1)).float()})
+    columns["rewards_per_func"] = columns["rewards_per_func"].T  # [world * B, K]
+    weights = rewards.weights.to(columns["rewards"].device)
+    metrics = generation_metrics(columns, rewards.names, weights, cfg.num_generations)
+    metrics.update({**timings, **batch.timings, **scores.timings})
+    generated = columns["lengths"].sum().item()
+    metrics["tokens_per_second/generation"] = generated / timings["time/generation"]
+    return metrics, columns["tokens"].sum().item()
+
+
+def step_metrics(sums, grad_norm, scheduler, timings, batch_tokens):
+    """One optimizer step's metrics from the sums over all ranks (TRL's names)."""
+    tokens, sequences = max(sums["tokens"], 1), sums["sequences"]
+    clipped = sums["clipped_low"] + sums["clipped_high"]
+    metrics = {"loss": sums["loss"] / distributed.world_size(), "grad_norm": grad_norm.item(),
+               "learning_rate": scheduler.get_last_lr()[0], "entropy": sums["entropy"] / tokens,
+               "clip_ratio/low_mean": sums["clipped_low"] / sequences,
+               "clip_ratio/high_mean": sums["clipped_high"] / sequences,
+               "clip_ratio/region_mean": clipped / sequences,
+               "nonfinite_skipped": float(not torch.isfinite(grad_norm)), **timings,
+               "tokens_per_second/training": batch_tokens / timings["time/training"]}
+    if "sampler_drift" in sums:
+        metrics["sampling/sampling_logp_difference/mean"] = sums["sampler_drift"] / tokens
+    if "is_weight" in sums:  # truncated importance sampling (TRL's names)
+        metrics["sampling/importance_sampling_ratio/mean"] = sums["is_weight"] / sequences
+        metrics["sampling/importance_sampling_ratio/truncated_fraction"] = \
+            sums["is_truncated"] / sequences
+    return metrics
+
+
+def completions_table(step, batch, scores, rewards):
+    """--log_completions: (columns, rows) of (step, prompt, completion, each reward, advantage)."""
+    G = len(batch.completion_lists) // len(batch.rows["prompt"])
+    prompts = repeat_each(batch.rows["prompt"], G)
+    table = [[step, p, c, *r, a] for p, c, r, a in zip(prompts, batch.texts,
+                                                       scores.rewards_per_func.tolist(),
+                                                       scores.advantages.tolist())]
+    return ["step", "prompt", "completion", *rewards.names, "advantage"], table
+
+
 class Logger:
-    """Rank 0 writes metrics.jsonl, a progress bar and wandb; other ranks get the same calls as no-ops."""
+    """Rank 0 writes metrics.jsonl, a progress bar and wandb; other ranks get the same calls as
+    no-ops."""
 
     def __init__(self, cfg, total_steps, state):
-        """state: where the run starts (checkpoint.start); resuming restores its metric window and keeps the lines
-        of metrics.jsonl up to its step, dropping those an interrupted run wrote after it."""
-        self.is_main, self.window, self.wandb, self.reward = distributed.is_main(), state["window"], None, math.nan
+        """state: where the run starts (checkpoint.TrainerState); resuming restores its metric
+        window and keeps the lines of metrics.jsonl up to its step, dropping those an interrupted
+        run wrote after it."""
+        self.is_main, self.window = distributed.is_main(), state.window
+        self.wandb, self.reward = None, math.nan
         self.logging_steps, self.total_steps = cfg.logging_steps, total_steps
         self.step_end = time.perf_counter()  # step_time: wall time between optimizer-step ends
         if not self.is_main:
             return
-        from tqdm import tqdm
-        resumed_step = state["step"] if cfg.resume_from_checkpoint else None
+        resumed_step = state.step if cfg.resume_from_checkpoint else None
         os.makedirs(cfg.output_dir, exist_ok=True)
         path = os.path.join(cfg.output_dir, "metrics.jsonl")
         kept = []
@@ -85,17 +144,21 @@ class Logger:
                 kept = [line for line in f if json.loads(line)["step"] <= resumed_step]
         self.jsonl = open(path, "w")
         self.jsonl.writelines(kept)
-        self.bar = tqdm(total=total_steps, initial=resumed_step or 0, desc="rloo", dynamic_ncols=True)
+        self.bar = tqdm(total=total_steps, initial=resumed_step or 0, desc="rloo",
+                        dynamic_ncols=True)
         if cfg.report_to == "wandb":
             import wandb
-            self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "rloo"), name=cfg.run_name,
+            self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "rloo"),
+                                    name=cfg.run_name,
                                     config=asdict(cfg), dir=cfg.output_dir)
 
     def add_step(self, metrics):
-        """One optimizer step's metrics into the window, with step_time, and the progress bar one step on."""
+        """One optimizer step's metrics into the window, with step_time, and the progress bar one
+        step on."""
         now = time.perf_counter()
         metrics = {**metrics, "step_time": now - self.step_end}
-        self.step_end, self.reward = now, metrics.get("reward", self.reward)  # later passes: the batch's reward
+        # later passes of a batch show its reward
+        self.step_end, self.reward = now, metrics.get("reward", self.reward)
         if self.is_main:
             self.bar.update(1)
             self.bar.set_postfix(reward=f"{self.reward:.3f}")
@@ -103,14 +166,16 @@ class Logger:
             self.window.setdefault(key, []).append(value)
 
     def log_if_due(self, step, **totals):
-        """Every logging_steps steps and at the last: log the window (see log). Returns whether it did."""
+        """Every logging_steps steps and at the last: log the window (see log). Returns whether it
+        did."""
         if step % self.logging_steps and step != self.total_steps:
             return False
         self.log(step, **totals)
         return True
 
     def log(self, step, **totals):
-        """Average the window (skipping NaN), add running totals such as num_tokens as they are, write everywhere."""
+        """Average the window (skipping NaN), add running totals such as num_tokens as they are,
+        write everywhere."""
         means = {k: (sum(v) / len(v) if v else None) for k, v in
                  ((k, [x for x in vs if not math.isnan(x)]) for k, vs in self.window.items())}
         means.update(totals)
@@ -123,10 +188,12 @@ class Logger:
             return
         self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
         self.jsonl.flush()
-        shown = ["reward", "reward_std", "kl", "entropy", "completions/mean_length", "loss", "grad_norm", "step_time"]
+        shown = ["reward", "reward_std", "kl", "entropy", "completions/mean_length", "loss",
+                 "grad_norm", "step_time"]
         prefix = "eval_" if any(k.startswith("eval_") for k in metrics) else ""
-        self.bar.write(f"step {step}: " + " ".join(f"{prefix}{k.split('/')[-1]}={metrics[prefix + k]:.4g}"
-                                                   for k in shown if metrics.get(prefix + k) is not None))
+        values = [(k.split("/")[-1], metrics.get(prefix + k)) for k in shown]
+        self.bar.write(f"step {step}: " + " ".join(f"{prefix}{name}={value:.4g}"
+                                                   for name, value in values if value is not None))
         if self.wandb:
             self.wandb.log({k: v for k, v in metrics.items() if v is not None}, step=step)
 
@@ -136,8 +203,9 @@ class Logger:
             return
         self.bar.write(f"step {step} completions:")
         for row in rows[:4]:
-            self.bar.write("  " + " | ".join(f"{c}={v:.3g}" if isinstance(v, float) else f"{c}={v!r}"
-                                             for c, v in zip(columns, row)))
+            cells = [f"{c}={v:.3g}" if isinstance(v, float) else f"{c}={v!r}"
+                     for c, v in zip(columns, row)]
+            self.bar.write("  " + " | ".join(cells))
         if self.wandb:
             import wandb
             self.wandb.log({"completions": wandb.Table(columns=columns, data=rows)}, step=step)
@@ -150,12 +218,11 @@ class Logger:
                 self.wandb.finish()
 
 
-def show_samples(title, rows, batch, scored, G, n=3):
+def show_samples(title, batch, scores, G, n=3):
     """The first few (prompt, completion, reward) of a batch, on rank 0."""
     if not distributed.is_main():
         return
-    from tqdm import tqdm  # tqdm.write keeps the progress bar intact
-    tqdm.write(f"--- {title} ---")
-    rewards = scored["rewards_per_func"].nansum(-1).tolist()
-    for p, c, r in list(zip([p for p in rows["prompt"] for _ in range(G)], batch["texts"], rewards))[:n]:
+    tqdm.write(f"--- {title} ---")  # tqdm.write keeps the progress bar intact
+    rewards = scores.rewards_per_func.nansum(-1).tolist()
+    for p, c, r in list(zip(repeat_each(batch.rows["prompt"], G), batch.texts, rewards))[:n]:
         tqdm.write(f"  {p!r} -> {c!r}  reward={r:.2f}")

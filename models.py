@@ -1,6 +1,6 @@
-"""The models: loading a policy (Hub id or local directory; text or vision-language), preparing it and the frozen
-reference for training (dropout off, train or eval mode, gradient checkpointing, FSDP2 sharding under torchrun), the
-optimizer, and the bf16 precision context.
+"""The models: loading a policy (Hub id or local directory; text or vision-language), preparing it
+and the frozen reference for training (dropout off, train or eval mode, gradient checkpointing,
+FSDP2 sharding under torchrun), the optimizer, and the bf16 precision context.
 
 Sampling from a model is rollout.py; the tiny embedded model is built in data.py with its task.
 """
@@ -12,35 +12,36 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer,
-                          PreTrainedModel)
+from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard,
+                                    register_fsdp_forward_method)
+from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor,
+                          AutoTokenizer, BitsAndBytesConfig, PreTrainedModel)
 
 import distributed
 from config import fail
 from rollout import base_of
 
 
-def loading(cfg):
-    """--model_init_kwargs (dtype default fp32 master weights), --trust_remote_code and --load_in_4bit as
-    load_model's keyword arguments."""
+def load_pretrained(cfg, vision=False):
+    """--model with --model_init_kwargs (dtype default fp32 master weights), --trust_remote_code and
+    --load_in_4bit -> (model, tokenizer or, with vision, processor)."""
     init_kwargs = dict(cfg.model_init_kwargs or {})
-    if cfg.load_in_4bit and not torch.cuda.is_available() and importlib.util.find_spec("kernels") is None:
-        print("rloo: note: bitsandbytes' fast CPU 4-bit kernel needs `pip install kernels`; without it 4-bit "
-              "layers use a slower path", file=sys.stderr)
+    slow_cpu_kernel = not torch.cuda.is_available() and importlib.util.find_spec("kernels") is None
+    if cfg.load_in_4bit and slow_cpu_kernel:
+        print("rloo: note: bitsandbytes' fast CPU 4-bit kernel needs `pip install kernels`; "
+              "without it 4-bit layers use a slower path", file=sys.stderr)
     if cfg.load_in_4bit:
-        from transformers import BitsAndBytesConfig
-
         init_kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4",
             bnb_4bit_compute_dtype=torch.bfloat16 if cfg.bf16 else torch.float32)
-    return dict(init_kwargs=init_kwargs, trust_remote_code=cfg.trust_remote_code)
+    return load_model(cfg.model, vision, init_kwargs, cfg.trust_remote_code)
 
 
 def load_model(name, vision=False, init_kwargs=None, trust_remote_code=False):
-    """Causal LM and tokenizer from a local directory or the Hub, fp32 master weights unless init_kwargs sets the
-    dtype; vision=True (a dataset with images): an image-text-to-text model and its processor. A clear error when it
-    cannot be found, is text-only or needs --trust_remote_code."""
+    """Causal LM and tokenizer from a local directory or the Hub, fp32 master weights unless
+    init_kwargs sets the dtype; vision=True (a dataset with images): an image-text-to-text model and
+    its processor. A clear error when it cannot be found, is text-only or needs
+    --trust_remote_code."""
     kwargs = {"dtype": torch.float32, "trust_remote_code": trust_remote_code, **(init_kwargs or {})}
     try:
         if vision:
@@ -51,35 +52,31 @@ def load_model(name, vision=False, init_kwargs=None, trust_remote_code=False):
             tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError, ImportError) as e:
         if vision and "Unrecognized configuration class" in str(e):
-            fail(f"the dataset has images but {name!r} is a text-only model; use a vision-language model "
-                 "(e.g. Qwen/Qwen2-VL-2B-Instruct, HuggingFaceTB/SmolVLM-256M-Instruct) or drop the image column")
+            fail(f"the dataset has images but {name!r} is a text-only model; use a "
+                 "vision-language model (e.g. Qwen/Qwen2-VL-2B-Instruct, "
+                 "HuggingFaceTB/SmolVLM-256M-Instruct) or drop the image column")
         if "trust_remote_code" in str(e):
-            fail(f"{name!r} is defined by custom code in its repository; read it, then pass --trust_remote_code")
-        where = "local directory" if os.path.isdir(name) else "local directory or reachable Hub model"
-        fail(f"cannot load model {name!r} as a {where} with {kwargs}: {str(e).strip().splitlines()[0]}")
+            fail(f"{name!r} is defined by custom code in its repository; read it, then pass "
+                 "--trust_remote_code")
+        where = "local directory" if os.path.isdir(name) else "local directory or Hub model"
+        fail(f"cannot load model {name!r} as a {where} with {kwargs}: "
+             f"{str(e).strip().splitlines()[0]}")
     if vision and not hasattr(tokenizer, "image_processor"):
-        fail(f"the dataset has images but {name!r} has no image processor (preprocessor_config.json); use a "
-             "vision-language model or drop the image column")
-    for module in model.modules():  # bitsandbytes 4-bit on CPU: an eval-mode forward (our sampling) repacks the
-        if hasattr(module, "support_avx512bf16_for_cpu"):  # weights in place, and later gradients come out wrong
+        fail(f"the dataset has images but {name!r} has no image processor "
+             "(preprocessor_config.json); use a vision-language model or drop the image column")
+    # bitsandbytes 4-bit on CPU: an eval-mode forward (our sampling) repacks the weights in place,
+    # and later gradients come out wrong
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
     return model, tokenizer
 
 
-def weights_dtype(cfg):
-    """The dtype the weights are kept in: --model_init_kwargs' dtype (a name such as "bfloat16"), else float32."""
-    return str((cfg.model_init_kwargs or {}).get("dtype", "float32")).removeprefix("torch.")
-
-
-def low_precision(cfg):
-    """bf16 compute or weights kept below fp32: kernels of another batch shape give other log-probs."""
-    return cfg.bf16 or cfg.load_in_4bit or weights_dtype(cfg) != "float32"
-
-
 def disable_dropout(model):
-    """Dropout off everywhere: it would make the sampler and the trainer different policies. Modules copy their
-    rates at construction (attention's `self.attention_dropout = config.attention_dropout`), so setting the config
-    afterwards changes nothing: zero the modules' own rates, and the configs for code that reads them at forward."""
+    """Dropout off everywhere: it would make the sampler and the trainer different policies. Modules
+    copy their rates at construction (attention's `self.attention_dropout =
+    config.attention_dropout`), so setting the config afterwards changes nothing: zero the modules'
+    own rates, and the configs for code that reads them at forward."""
     for name, module in model.named_modules():
         if "lora_dropout" in name:  # the adapter's own dropout is --lora_dropout's to set
             continue
@@ -92,24 +89,29 @@ def disable_dropout(model):
 
 
 def sharded(cfg):
-    """FSDP2 for N processes, and for one process under --bf16: its MixedPrecisionPolicy (bf16 parameters and
-    activations, fp32 master weights and gradients) is then the one precision scheme at every world size. Not for a
-    4-bit base, whose packed weights FSDP2 cannot shard (bitsandbytes computes in bf16 itself)."""
-    return dist.is_initialized() and (distributed.world_size() > 1 or cfg.bf16) and not cfg.load_in_4bit
+    """FSDP2 for N processes, and for one process under --bf16: its MixedPrecisionPolicy (bf16
+    parameters and activations, fp32 master weights and gradients) is then the one precision scheme
+    at every world size. Not for a 4-bit base, whose packed weights FSDP2 cannot shard (bitsandbytes
+    computes in bf16 itself)."""
+    wanted = distributed.world_size() > 1 or cfg.bf16
+    return dist.is_initialized() and wanted and not cfg.load_in_4bit
 
 
 def prepare_model(model, cfg, trainable, device=torch.device("cpu")):
-    """Dropout off, train mode (from_pretrained returns a model in eval mode, and Hugging Face layers checkpoint
-    only in train mode) with gradient checkpointing, or frozen in eval mode; on the device, FSDP2-sharded.
+    """Dropout off, train mode (from_pretrained returns a model in eval mode, and Hugging Face
+    layers checkpoint only in train mode) with gradient checkpointing, or frozen in eval mode; on
+    the device, FSDP2-sharded.
 
-    Frozen weights under --bf16 are stored in bf16 (a reference, reward models, a LoRA base): autocast or a
-    mixed-precision policy would cast them again on every forward. Sharded models go to the device one layer at a
-    time, inside fully_shard, so no rank ever holds the whole model on its GPU."""
+    Frozen weights under --bf16 are stored in bf16 (a reference, reward models, a LoRA base):
+    autocast or a mixed-precision policy would cast them again on every forward. Sharded models go
+    to the device one layer at a time, inside fully_shard, so no rank ever holds the whole model on
+    its GPU."""
     disable_dropout(model)
     if trainable:
         model.train()
         if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            options = {"use_reentrant": False}
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
     else:
         model.requires_grad_(False).eval()
     head = lm_head_in_fp32(model) if cfg.cast_lm_head_to_fp32 else None
@@ -120,13 +122,15 @@ def prepare_model(model, cfg, trainable, device=torch.device("cpu")):
                 param.data = param.data.to(torch.bfloat16)
     if not sharded(cfg):
         return model.to(device)
-    # Shard each decoder layer, then the root (embeddings, head, tied weights). Params and compute in bf16,
-    # gradient reduction in fp32 (README 'Checkpoints, resume, multi-node': memory).
+    # Shard each decoder layer, then the root (embeddings, head, tied weights). Params and compute
+    # in bf16, gradient reduction in fp32 (README 'Checkpoints, resume, multi-node': memory).
     options = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cfg.bf16 else None,
                                                   reduce_dtype=torch.float32))
-    if cfg.cpu_offload:  # params, grads and optimizer state live in CPU memory; the optimizer steps on the CPU
+    # params, grads and optimizer state live in CPU memory; the optimizer steps on the CPU
+    if cfg.cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-    layer_types = {name for m in model.modules() if isinstance(m, PreTrainedModel)  # a VLM's towers list their own
+    # the decoder layers' class names; a VLM's towers list their own
+    layer_types = {name for m in model.modules() if isinstance(m, PreTrainedModel)
                    for name in getattr(m, "_no_split_modules", None) or ()}
     for module in model.modules():
         if type(module).__name__ in layer_types:
@@ -135,18 +139,21 @@ def prepare_model(model, cfg, trainable, device=torch.device("cpu")):
         fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
         fully_shard(head, **{**options, "mp_policy": fp32})
     fully_shard(model, **options)
-    if trainable:  # the policy's generate() is a root forward too: VLMs encode images (in sharded towers)
-        register_fsdp_forward_method(model, "generate")  # before the root's own first forward, which must be first
+    # the policy's generate() is a root forward too: VLMs encode images (in sharded towers); it is
+    # registered before the root's own first forward, which must come first
+    if trainable:
+        register_fsdp_forward_method(model, "generate")
     return model
 
 
 def lm_head_in_fp32(model):
-    """--cast_lm_head_to_fp32: the head's weights in fp32 and its input cast to fp32, so the logits are fp32 (as TRL's
-    GRPO does). A head tied to the input embeddings would turn every activation fp32: refused."""
+    """--cast_lm_head_to_fp32: the head's weights in fp32 and its input cast to fp32, so the logits
+    are fp32 (as TRL's GRPO does). A head tied to the input embeddings would turn every activation
+    fp32: refused."""
     base = base_of(model)
     if base.config.get_text_config().tie_word_embeddings:
-        fail("--cast_lm_head_to_fp32 needs a model whose LM head is not tied to its input embeddings "
-             "(tie_word_embeddings is true for this one); drop the flag")
+        fail("--cast_lm_head_to_fp32 needs a model whose LM head is not tied to its input "
+             "embeddings (tie_word_embeddings is true for this one); drop the flag")
     head = base.get_output_embeddings().float()
     head.register_forward_pre_hook(lambda module, args: (args[0].float(), *args[1:]))
     return head
@@ -156,18 +163,20 @@ NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.
 
 
 def make_optimizer(model, cfg):
-    """AdamW with the Hugging Face Trainer's (so TRL's) groups: no weight decay on biases and normalisation weights.
-    fused: one kernel over all parameters instead of a loop of small ops per tensor (6x faster step on CPU)."""
+    """AdamW with the Hugging Face Trainer's (so TRL's) groups: no weight decay on biases and
+    normalisation weights. fused: one kernel over all parameters instead of a loop of small ops per
+    tensor (6x faster step on CPU)."""
     params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    groups = [{"params": [p for name, p in params if not NO_DECAY.search(name)], "weight_decay": cfg.weight_decay},
+    groups = [{"params": [p for name, p in params if not NO_DECAY.search(name)],
+               "weight_decay": cfg.weight_decay},
               {"params": [p for name, p in params if NO_DECAY.search(name)], "weight_decay": 0.0}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.learning_rate, fused=True)
 
 
 @torch.no_grad()
 def sync_reference(cfg, model, ref_model, step):
-    """TR-DPO (Gorbatovski et al. 2024), TRL's sync_ref_model: every ref_model_sync_steps optimizer steps,
-    ref <- alpha * pi + (1 - alpha) * ref, shard by shard (both are sharded alike)."""
+    """TR-DPO (Gorbatovski et al. 2024), TRL's sync_ref_model: every ref_model_sync_steps optimizer
+    steps, ref <- alpha * pi + (1 - alpha) * ref, shard by shard (both are sharded alike)."""
     if cfg.sync_ref_model and step % cfg.ref_model_sync_steps == 0:
         for ref, param in zip(ref_model.parameters(), model.parameters(), strict=True):
             ref.lerp_(param.to(ref.dtype), cfg.ref_model_mixup_alpha)  # ref + alpha (pi - ref)

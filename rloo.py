@@ -7,16 +7,18 @@ from Human Feedback in LLMs", §3 (RLOO estimator, sequence-level KL-shaped rewa
 
 import torch
 
-LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: large enough never to bind on sane data, small enough to never overflow
+# exp(20) ~ 5e8: large enough never to bind on sane data, small enough never to overflow
+LOG_RATIO_CLAMP = 20.0
 
 
 def token_logps_and_entropy(logits, token_ids, temperature=1.0, chunk_elements=2**24):
     """Per-token log pi(o_t) and entropy of softmax(logits / temperature).
 
-    logits [B, T, V] (position t predicts token_ids[:, t]), token_ids [B, T] -> logps [B, T], entropy [B, T].
-    log p = logit[o_t] - logsumexp(logits): no [B, T, V] log-softmax copy. The logsumexp runs over chunks of rows
-    whose fp32 temporaries hold at most chunk_elements (64 MB): one chunk for a small vocabulary (few ops), one row
-    at a time for a large one. Entropy carries no gradient (it is a metric).
+    logits [B, T, V] (position t predicts token_ids[:, t]), token_ids [B, T]
+        -> logps [B, T], entropy [B, T].
+    log p = logit[o_t] - logsumexp(logits): no [B, T, V] log-softmax copy. The logsumexp runs over
+    chunks of rows whose fp32 temporaries hold at most chunk_elements (64 MB): one chunk for a small
+    vocabulary (few ops), one row at a time for a large one. Entropy carries no gradient (a metric).
     """
     if temperature != 1.0:
         logits = logits / temperature
@@ -31,14 +33,16 @@ def token_logps_and_entropy(logits, token_ids, temperature=1.0, chunk_elements=2
 
 
 def sequence_kl(logps, ref_logps, mask):
-    """k1 estimator summed over completion tokens: kl_i = sum_t (log pi_old(o_t) - log pi_ref(o_t)).  [B]"""
+    """k1 estimator summed over completion tokens:
+    kl_i = sum_t (log pi_old(o_t) - log pi_ref(o_t)).  [B]"""
     return ((logps - ref_logps) * mask).sum(-1)
 
 
 def combine_rewards(rewards_per_func, weights, clip_range=None):
     """R_i = sum_k w_k R_ik over the functions that scored completion i (NaN = returned None).
 
-    rewards_per_func [B, K], weights [K] -> [B]; NaN where every function returned None (unscorable).
+    rewards_per_func [B, K], weights [K] -> [B]; NaN where every function returned None
+    (unscorable).
     """
     scored = ~torch.isnan(rewards_per_func)  # [B, K]
     total = (torch.nan_to_num(rewards_per_func) * weights).sum(-1)  # [B]
@@ -51,41 +55,48 @@ def rloo_advantages(rewards, num_generations):
     """Leave-one-out advantages within each group of G consecutive completions.
 
     b_i = (sum_{j != i} r_j) / (n - 1),  A_i = r_i - b_i  = n/(n-1) * (r_i - mean(r)),
-    over the n scorable (non-NaN) members of the group. Unscorable members and groups with n < 2 get A = 0.
+    over the n scorable (non-NaN) members of the group. Unscorable members and groups with n < 2
+    get A = 0.
     rewards [B] (B = P*G, group members adjacent) -> advantages [B].
     """
     grouped = rewards.view(-1, num_generations)  # [P, G]
     n = (~torch.isnan(grouped)).sum(-1, keepdim=True)  # [P, 1]
     r = torch.nan_to_num(grouped)
     baseline = (r.sum(-1, keepdim=True) - r) / (n - 1).clamp(min=1)  # [P, G]
-    return torch.where(has_baseline(rewards, num_generations).view_as(r), r - baseline, 0.0).view(-1)
+    with_baseline = has_baseline(rewards, num_generations).view_as(r)
+    return torch.where(with_baseline, r - baseline, 0.0).view(-1)
 
 
 def has_baseline(rewards, num_generations):
-    """Completions that get a leave-one-out advantage: scorable, in a group with at least 2 scorable members.  [B]"""
+    """Completions that get a leave-one-out advantage: scorable, in a group with at least 2
+    scorable members.  [B]"""
     scorable = ~torch.isnan(rewards.view(-1, num_generations))  # [P, G]
     return (scorable & (scorable.sum(-1, keepdim=True) >= 2)).view(-1)
 
 
 def normalize_advantages(advantages, mask):
-    """A <- (A - mean A) / (std A + 1e-4) over the completions in mask (those with a baseline, over the whole global
-    batch: pass every rank's); the others keep A = 0, as in TRL, so their forced zeros do not shift the statistics."""
+    """A <- (A - mean A) / (std A + 1e-4) over the completions in mask (those with a baseline, over
+    the whole global batch: pass every rank's); the others keep A = 0, as in TRL, so their forced
+    zeros do not shift the statistics."""
     kept = advantages[mask]
     if kept.numel() < 2:
         return advantages
     return torch.where(mask, (advantages - kept.mean()) / (kept.std() + 1e-4), 0.0)
 
 
-def rloo_loss(logps, old_logps, advantages, epsilon_low, epsilon_high, num_sequences, is_weights=None):
-    """Sequence-level clipped surrogate, summed here and divided by the optimizer step's sequence count.
+def rloo_loss(logps, old_logps, advantages, epsilon_low, epsilon_high, num_sequences,
+              is_weights=None):
+    """Sequence-level clipped surrogate, summed here and divided by the step's sequence count.
 
     logps, old_logps [B] sequence log-probs s_i = sum_t log pi(o_t) (sum, not mean); advantages [B].
-    rho = exp(clamp(s - s_old, -20, 20));  L = -(1/N) sum_i min(rho A, clip(rho, 1-eps_low, 1+eps_high) A)
-    where N = num_sequences counts every sequence of the optimizer step (all micro-batches, all ranks),
-    so summing micro-batch losses and averaging gradients over ranks gives the mean over the step.
-    With old_logps = logps.detach() (num_iterations == 1) rho == 1 and the gradient is REINFORCE's A grad s.
-    is_weights [B] (optional, no gradient) multiply each sequence's term: truncated importance sampling when the
-    samples came from a generator whose log-probs differ from the trainer's.
+    rho = exp(clamp(s - s_old, -20, 20));
+    L = -(1/N) sum_i min(rho A, clip(rho, 1-eps_low, 1+eps_high) A)
+    where N = num_sequences counts every sequence of the optimizer step (all micro-batches, all
+    ranks), so summing micro-batch losses and averaging gradients over ranks gives the mean over the
+    step. With old_logps = logps.detach() (num_iterations == 1) rho == 1 and the gradient is
+    REINFORCE's A grad s.
+    is_weights [B] (optional, no gradient) multiply each sequence's term: truncated importance
+    sampling when the samples came from a generator whose log-probs differ from the trainer's.
     Returns the loss and per-sequence clip indicators (low, high) for the clip_ratio metrics.
     """
     ratio = torch.exp((logps - old_logps).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B]
@@ -94,6 +105,7 @@ def rloo_loss(logps, old_logps, advantages, epsilon_low, epsilon_high, num_seque
     if is_weights is not None:
         surrogate = surrogate * is_weights
     loss = -surrogate.sum() / num_sequences
-    low = (ratio < 1 - epsilon_low) & (advantages < 0)  # the clip bound is the active branch of the min
+    # the clip bound is the active branch of the min
+    low = (ratio < 1 - epsilon_low) & (advantages < 0)
     high = (ratio > 1 + epsilon_high) & (advantages > 0)
     return loss, low.detach(), high.detach()

@@ -23,10 +23,10 @@ cfg = train.parse_config(["--num_generations", "4", "--per_device_train_batch_si
                           "--gradient_checkpointing", "true"] + sys.argv[2:])
 model, tokenizer, _ = data.embedded_task(seed=0)
 torch.manual_seed(123)  # the same global batch on every rank
-full = rollout.generate(model, tokenizer, ["12=", "345=", "6789=", "0="], cfg, device)
+full = rollout.generate(model, tokenizer, {"prompt": ["12=", "345=", "6789=", "0="]}, cfg, device)
 advantages = torch.randn(16, generator=torch.Generator().manual_seed(5))  # not zero-mean: a nonzero loss
 rows = slice(rank * per_rank, (rank + 1) * per_rank)
-batch = {k: v[rows] for k, v in full.items()}
+batch = full.take(list(range(16))[rows])
 if cfg.use_peft:  # B drawn at random, the same on every rank, so that A gets a gradient too
     model = lora.add_adapter(model, lora.settings(cfg))
     g = torch.Generator().manual_seed(7)
@@ -37,8 +37,8 @@ model = models.prepare_model(model, cfg, trainable=True)
 # updated weights = w - grad: compares the gradients
 optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-_, stats, grad_norm, _ = train.policy_step(cfg, model, optimizer, scheduler, batch,
-                                           {"loss_mask": batch["completion_mask"].float(), "advantages": advantages[rows]})
+scores = train.Scores(None, None, batch.completion_mask.float(), advantages[rows])
+_, stats, grad_norm, _ = train.policy_step(cfg, model, optimizer, scheduler, batch, scores)
 stats = distributed.reduce_sums(stats)
 state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 if rank == 0:

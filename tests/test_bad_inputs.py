@@ -15,8 +15,10 @@ import time
 import pytest
 import torch
 
+import checkpoint
 import data
 import rewards
+import rollout
 import train
 from test_train import FAST, read_metrics, run
 
@@ -26,7 +28,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def startup_error(args):
     """The one line check_config stops with for these flags (parsing included), or None."""
     try:
-        train.check_config(train.parse_config(args))
+        cfg = train.parse_config(args)
+        train.check_config(cfg)
+        checkpoint.check_output_dir(cfg)
     except SystemExit as e:
         return str(e)
     return None
@@ -122,11 +126,11 @@ def data_error(tmp_path, lines=None, text=None, name="data.jsonl", extra=(), tok
         path.write_bytes(text if isinstance(text, bytes) else text.encode())
     elif lines is not None:
         path.write_text("".join(json.dumps(row) + "\n" for row in lines))
-    cfg = train.parse_config(["--dataset", str(path), "--per_device_train_batch_size", "2", "--num_generations", "2",
-                              *extra])
     model, tokenizer, _ = data.embedded_task(0)
     tokenizer.chat_template = tokenizer_template
     try:
+        cfg = train.parse_config(["--dataset", str(path), "--per_device_train_batch_size", "2", "--num_generations",
+                                  "2", *extra])
         train.check_config(cfg)
         dataset, eval_dataset, _ = data.load_datasets(cfg)
         data.check_data(dataset, tokenizer, None, model, cfg)
@@ -255,10 +259,11 @@ REWARD_CASES = {  # function: what the line must say (None: accepted)
 def test_a_failing_or_invalid_reward_is_one_line_naming_the_function_and_step(tmp_path, name, capsys):
     (tmp_path / "bad_rewards.py").write_text(REWARD_FILE)
     func = rewards.load_reward_func(f"{tmp_path / 'bad_rewards.py'}:{name}")
-    batch = {"texts": ["a", "b", "c", "d"], "completion_lists": [[1], [2], [3], [4]],
-             "completion_mask": torch.ones(4, 1)}
+    ids = torch.tensor([[1], [2], [3], [4]])
+    batch = rollout.Rollout({"prompt": ["x", "y"]}, ids, ids, ids, ids, torch.zeros(4).bool(),
+                            ids.tolist(), ["a", "b", "c", "d"])
     try:
-        out = rewards.call_rewards([func], {"prompt": ["x", "y"]}, batch, 2, 0, timeout=0.5)
+        out = rewards.RewardFunctions([func], timeout=0.5)(batch, 2, 0)
         error = None
     except SystemExit as e:
         error = str(e)
@@ -287,9 +292,10 @@ def test_a_reward_file_that_does_not_load_is_one_line_naming_it(tmp_path, file):
     source, name, message, where = LOAD_CASES[file]
     (tmp_path / file).write_text(source)
     error = startup_error(["--reward_funcs", f"{tmp_path / file}:{name}"]) or ""
-    if not error:  # loading happens after the config checks: train.load_rewards turns it into one line
+    if not error:  # loading happens after the config checks: load_rewards turns it into one line
         try:
-            train.load_rewards(train.parse_config(["--reward_funcs", f"{tmp_path / file}:{name}"]), torch.device("cpu"))
+            cfg = train.parse_config(["--reward_funcs", f"{tmp_path / file}:{name}"])
+            rewards.load_rewards(cfg, torch.device("cpu"))
         except SystemExit as e:
             error = str(e)
     assert message in error and where in error and "\n" not in error, error

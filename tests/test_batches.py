@@ -14,6 +14,7 @@ import data
 import models
 import rollout
 import train
+from rewards import RewardFunctions
 from conftest import requires_vllm
 from test_rollout import vllm_server  # noqa: F401 (a fixture: vLLM's server on the tiny chat model)
 from test_train import cfg_for, read_metrics, run
@@ -45,10 +46,7 @@ def test_dynamic_sampling_keeps_informative_groups_and_draws_more():
     rounds = iter([["12=", "345=", "1=", "6789="], ["10=", "22=", "1234=", "9876543="], ["1=", "1=", "1=", "1="]])
 
     def draw():
-        rows = {"prompt": next(rounds)}
-        batch = rollout.generate(model, tokenizer, rows["prompt"], cfg, CPU, seed=len(drawn))
-        batch["texts"] = tokenizer.batch_decode(batch["completion_lists"], skip_special_tokens=True)
-        return rows, batch
+        return rollout.generate(model, tokenizer, {"prompt": next(rounds)}, cfg, CPU, seed=len(drawn))
 
     drawn = []
 
@@ -56,25 +54,25 @@ def test_dynamic_sampling_keeps_informative_groups_and_draws_more():
         drawn.append(draw())
         return drawn[-1]
 
-    torch.manual_seed(0)
     first = keep_draw()
-    rows_out, joined, metrics = batches.fill_with_informative(cfg, *first, keep_draw, [first_digit_reward], 0, 0)
-    assert rows_out["prompt"] == ["345=", "6789=", "22=", "9876543="]  # prompts starting with 1 dropped, in order
+    rewards = RewardFunctions([first_digit_reward])
+    joined, metrics = batches.fill_with_informative(cfg, first, keep_draw, rewards, 0, 0)
+    assert joined.rows["prompt"] == ["345=", "6789=", "22=", "9876543="]  # prompts starting with 1 dropped
     assert metrics == {"dynamic_sampling/rounds": 1.0, "dynamic_sampling/shortfall": 0.0}
     assert len(drawn) == 2  # stopped as soon as 4 informative groups were there
-    sources = [(drawn[0][1], 1), (drawn[0][1], 3), (drawn[1][1], 1), (drawn[1][1], 3)]
+    sources = [(drawn[0], 1), (drawn[0], 3), (drawn[1], 1), (drawn[1], 3)]
     for k, (source, group) in enumerate(sources):
         for j in range(4):
             i, s = k * 4 + j, group * 4 + j
-            assert joined["completion_lists"][i] == source["completion_lists"][s]
-            n = int(source["completion_mask"][s].sum())
-            assert joined["completion_ids"][i, :n].tolist() == source["completion_ids"][s, :n].tolist()
-            assert joined["completion_mask"][i].sum() == n and not joined["completion_mask"][i, n:].any()
-            torch.testing.assert_close(joined["sampler_logps"][i, :n], source["sampler_logps"][s, :n])
-            real = source["prompt_ids"][s][source["prompt_mask"][s].bool()]
-            assert joined["prompt_ids"][i][joined["prompt_mask"][i].bool()].tolist() == real.tolist()
-            assert joined["prompt_mask"][i, -len(real):].all()  # still left-padded
-    raw = joined["rewards_per_func"][:, 0].view(-1, 4)
+            assert joined.completion_lists[i] == source.completion_lists[s]
+            n = int(source.completion_mask[s].sum())
+            assert joined.completion_ids[i, :n].tolist() == source.completion_ids[s, :n].tolist()
+            assert joined.completion_mask[i].sum() == n and not joined.completion_mask[i, n:].any()
+            torch.testing.assert_close(joined.sampler_logps[i, :n], source.sampler_logps[s, :n])
+            real = source.prompt_ids[s][source.prompt_mask[s].bool()]
+            assert joined.prompt_ids[i][joined.prompt_mask[i].bool()].tolist() == real.tolist()
+            assert joined.prompt_mask[i, -len(real):].all()  # still left-padded
+    raw = joined.rewards_per_func[:, 0].view(-1, 4)
     assert (raw.amax(1) > raw.amin(1)).all()  # no group whose raw rewards all agree
 
 
@@ -86,15 +84,13 @@ def test_dynamic_sampling_trains_on_what_it_has_after_the_bound():
     drawn = []
 
     def draw():
-        rows = {"prompt": ["1=", "12=", "13=", "14="]}
-        batch = rollout.generate(model, tokenizer, rows["prompt"], cfg, CPU)
-        batch["texts"] = tokenizer.batch_decode(batch["completion_lists"], skip_special_tokens=True)
-        drawn.append(batch)
-        return rows, batch
+        drawn.append(rollout.generate(model, tokenizer, {"prompt": ["1=", "12=", "13=", "14="]}, cfg, CPU))
+        return drawn[-1]
 
-    rows, joined, metrics = batches.fill_with_informative(cfg, *draw(), draw, [first_digit_reward], 0, 0)
+    rewards = RewardFunctions([first_digit_reward])
+    joined, metrics = batches.fill_with_informative(cfg, draw(), draw, rewards, 0, 0)
     assert len(drawn) == 3 and metrics == {"dynamic_sampling/rounds": 2.0, "dynamic_sampling/shortfall": 1.0}
-    assert len(rows["prompt"]) == 4 and joined["completion_ids"].shape[0] == 16
+    assert len(joined.rows["prompt"]) == 4 and joined.completion_ids.shape[0] == 16
 
 
 def test_embedded_task_learns_with_dynamic_sampling(tmp_path):
@@ -170,28 +166,28 @@ def test_async_lag_1_trains_on_the_previous_steps_samples(chat_model_dir, vllm_s
     train.check_config(cfg)
     model, tokenizer = models.load_model(cfg.model)
     model = models.prepare_model(model, cfg, trainable=True)
-    generate, stop, push = train.start_generator(cfg, model, tokenizer, None, None, CPU)
+    generator = train.start_generator(cfg, model, tokenizer, None, None, CPU)
     dataset = Dataset.from_dict({"prompt": [f"Count to {i}:" for i in range(40)]})
-    next_batch, _, stop_source = batches.batch_source(cfg, generate, push, dataset, [], tokenizer.pad_token_id, {})
+    source = batches.BatchSource(cfg, generator, dataset, None, tokenizer.pad_token_id, {})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # large steps: each step's weights are distinct
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     previous = copy.deepcopy(model)
     for step in range(3):
-        _, batch, metrics = next_batch(step)
+        batch, metrics = source.next(step)
         assert metrics["sampling/staleness"] == (1.0 if step else 0.0)
         with torch.no_grad():
             now = rollout.forward_logps(model, batch, slice(None), 1.0)[0]
             then = rollout.forward_logps(previous, batch, slice(None), 1.0)[0]
-        mask = batch["completion_mask"][:, :now.shape[1]]
-        sampled = batch["sampler_logps"][:, :now.shape[1]]
+        mask = batch.completion_mask[:, :now.shape[1]]
+        sampled = batch.sampler_logps[:, :now.shape[1]]
         assert ((sampled - then).abs() * mask).max() < 1e-4, step  # step t-1's weights sampled it
         if step:
             assert ((sampled - now).abs() * mask).max() > 1e-3, step  # not step t's
         previous = copy.deepcopy(model)
         train.policy_step(cfg, model, optimizer, scheduler, batch,
-                          {"loss_mask": mask.float(), "advantages": torch.randn(len(batch["completion_lists"]))})
-    stop_source()
-    stop()
+                          train.Scores(None, None, mask.float(), torch.randn(len(batch.completion_lists))))
+    source.close()
+    generator.close()
 
 
 def server_args(tmp_path, chat_model_dir, port, *flags):

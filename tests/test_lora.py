@@ -12,9 +12,11 @@ import pytest
 import torch
 
 import checkpoint
+import config
 import data
 import lora
 import models
+import rewards
 import rollout
 import train
 import vllm_rollout
@@ -39,10 +41,9 @@ def train_steps(model, cfg, tokenizer, prompts, steps, lr=1e-2):
     optimizer = models.make_optimizer(model, dataclasses.replace(cfg, learning_rate=lr))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     for _ in range(steps):
-        batch = rollout.generate(model, tokenizer, prompts, cfg, CPU)
-        scored = {"loss_mask": batch["completion_mask"].float(), "advantages": torch.randn(len(batch["texts"]))
-                  if "texts" in batch else torch.randn(len(batch["completion_lists"]))}
-        train.policy_step(cfg, model, optimizer, scheduler, batch, scored)
+        batch = rollout.generate(model, tokenizer, {"prompt": prompts}, cfg, CPU)
+        scores = train.Scores(None, None, batch.completion_mask.float(), torch.randn(len(batch.texts)))
+        train.policy_step(cfg, model, optimizer, scheduler, batch, scores)
     return optimizer, batch
 
 
@@ -66,7 +67,7 @@ def test_only_the_adapter_gets_gradients_and_optimizer_state():
 
 def adapter_off_matches_base(base_copy, model, tokenizer, prompts, cfg):
     """log-probs of a batch under the adapter-off policy, the untouched base and the policy itself."""
-    batch = rollout.generate(model, tokenizer, prompts, cfg, CPU)
+    batch = rollout.generate(model, tokenizer, {"prompt": prompts}, cfg, CPU)
     with torch.no_grad():
         with lora.reference(model, None) as reference:
             off = rollout.forward_logps(reference, batch, slice(None), cfg.temperature)[0]
@@ -106,7 +107,7 @@ def test_merged_weights_reproduce_the_adapted_policy(tmp_path):
 
     base, tokenizer, _ = data.embedded_task(seed=0)
     model, cfg = adapted(base, num_generations=2, max_completion_length=5, lora_alpha=8, lora_r=4)
-    batch = rollout.generate(model, tokenizer, ["12=", "345="], cfg, CPU)
+    batch = rollout.generate(model, tokenizer, {"prompt": ["12=", "345="]}, cfg, CPU)
     plain = data.embedded_task(seed=3)[0].train()  # other weights: every one must come from the merge
     plain.load_state_dict(dict(lora.hf_weights(model.state_dict().items(), model)), strict=True)
     with torch.no_grad():
@@ -170,10 +171,10 @@ def test_model_init_kwargs_set_weight_dtype_and_attention(tmp_path, tiny_model_d
     cfg = train.parse_config(["--model", str(model_dir), "--reward_funcs", "task_reward", "--model_init_kwargs",
                               '{"dtype": "bfloat16", "attn_implementation": "eager"}'])
     train.check_config(cfg)
-    loaded, _ = models.load_model(cfg.model, **models.loading(cfg))
+    loaded, _ = models.load_pretrained(cfg)
     assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
     assert loaded.config._attn_implementation == "eager"
-    assert models.low_precision(cfg) and not train.old_logps_from_sampler(dataclasses.replace(cfg, bf16=False))
+    assert config.low_precision(cfg) and not train.old_logps_from_sampler(dataclasses.replace(cfg, bf16=False))
     out = run(["--model", str(model_dir), "--dataset", str(model_dir / "data.jsonl"), "--reward_funcs", "task_reward",
                "--max_completion_length", "5", "--bf16", "false", "--model_init_kwargs", '{"dtype": "bfloat16"}',
                "--max_steps", "2", "--logging_steps", "1", "--output_dir", str(tmp_path / "run")])
@@ -218,21 +219,21 @@ def test_generation_kwargs_reach_the_decode_loop_and_vllm():
     prompts = ["12=", "3456=", "7=", "89="]
     cfg = cfg_for(num_generations=16, max_completion_length=6, generation_kwargs={"min_tokens": 4})
     torch.manual_seed(0)
-    free = rollout.generate(model, tokenizer, prompts, cfg_for(num_generations=16, max_completion_length=6), CPU)
-    assert min(len(c) for c in free["completion_lists"]) < 4  # an untrained model often stops early ...
-    batch = rollout.generate(model, tokenizer, prompts, cfg, CPU)
-    assert min(len(c) for c in batch["completion_lists"]) >= 4  # ... not before min_tokens
+    free = rollout.generate(model, tokenizer, {"prompt": prompts}, cfg_for(num_generations=16, max_completion_length=6), CPU)
+    assert min(len(c) for c in free.completion_lists) < 4  # an untrained model often stops early ...
+    batch = rollout.generate(model, tokenizer, {"prompt": prompts}, cfg, CPU)
+    assert min(len(c) for c in batch.completion_lists) >= 4  # ... not before min_tokens
     with torch.no_grad():  # the recorded log-probs are still log pi_T of the unprocessed model
         logps = rollout.forward_logps(model, batch, slice(None), 1.0)[0]
-    mask = batch["completion_mask"][:, :logps.shape[1]]
-    torch.testing.assert_close(batch["sampler_logps"][:, :logps.shape[1]] * mask, logps * mask, atol=1e-5, rtol=0)
+    mask = batch.completion_mask[:, :logps.shape[1]]
+    torch.testing.assert_close(batch.sampler_logps[:, :logps.shape[1]] * mask, logps * mask, atol=1e-5, rtol=0)
     # an extra stop id ends completions ("=" is id 1) as EOS does
-    stopped = rollout.generate(model, tokenizer, prompts, cfg_for(num_generations=16, max_completion_length=6,
+    stopped = rollout.generate(model, tokenizer, {"prompt": prompts}, cfg_for(num_generations=16, max_completion_length=6,
                                                                   generation_kwargs={"stop_token_ids": [1]}), CPU)
-    lists = stopped["completion_lists"]
+    lists = stopped.completion_lists
     assert all(1 not in ids[:-1] for ids in lists)
     ended_by_stop = [ids[-1] == 1 for ids in lists]
-    assert any(ended_by_stop) and not any(t for t, e in zip(stopped["truncated"].tolist(), ended_by_stop) if e)
+    assert any(ended_by_stop) and not any(t for t, e in zip(stopped.truncated.tolist(), ended_by_stop) if e)
     # penalties: z - frequency * count - presence * [count > 0], counted over the completion only
     penalize = rollout.completion_penalties(prompt_length=2, presence=0.5, frequency=0.25)
     ids = torch.tensor([[3, 3, 3, 4, 3, 5]])  # prompt [3, 3], completion [3, 4, 3, 5]
@@ -242,21 +243,23 @@ def test_generation_kwargs_reach_the_decode_loop_and_vllm():
     vcfg = cfg_for(use_vllm=True, generation_kwargs={"min_tokens": 4, "frequency_penalty": 0.1, "stop_token_ids": [1]})
     params = vllm_rollout.vllm_sampling(vcfg, rollout.eos_token_ids(tokenizer, model, vcfg), logprobs=False)
     assert params["min_tokens"] == 4 and params["frequency_penalty"] == 0.1 and params["stop_token_ids"] == [0, 1]
-    assert not rollout.sampler_logps_exact(dataclasses.replace(vcfg, temperature=0.7))
+    assert not config.sampler_logps_exact(dataclasses.replace(vcfg, temperature=0.7))
 
 
 def test_num_generations_eval(tmp_path):
     model, tokenizer, dataset = data.embedded_task(seed=0)
     cfg = cfg_for(num_generations=8, num_generations_eval=2, per_device_train_batch_size=16, max_completion_length=5)
     sizes = []
-    generate = train.eval_generator(cfg, model, tokenizer, None, CPU)
+    generator = rollout.DecodeLoop(train.eval_config(cfg), model, tokenizer, None, CPU)
+    generate = generator.generate
 
-    def counting(rows):
-        batch = generate(rows)
-        sizes.append((len(rows["prompt"]), len(batch["completion_lists"])))
+    def counting(rows, seed=None):
+        batch = generate(rows, seed)
+        sizes.append((len(rows["prompt"]), len(batch.completion_lists)))
         return batch
 
-    metrics = train.evaluate(cfg, counting, dataset.select(range(16)), train.load_rewards(cfg, CPU), step=0)
+    generator.generate = counting
+    metrics = train.evaluate(cfg, generator, dataset.select(range(16)), rewards.load_rewards(cfg, CPU), step=0)
     assert sizes == [(8, 16), (8, 16)] and "eval_reward" in metrics
 
 
@@ -268,7 +271,7 @@ def test_qlora_trains_the_adapter_over_a_4bit_base_and_saves_it_merged(tmp_path,
     model_dir = tiny_model_dir
     cfg = train.parse_config(["--model", str(model_dir), "--reward_funcs", "task_reward", "--use_peft",
                               "--load_in_4bit", "--bf16", "false"])
-    loaded, _ = models.load_model(cfg.model, **models.loading(cfg))
+    loaded, _ = models.load_pretrained(cfg)
     assert sum(type(m).__name__ == "Linear4bit" for m in loaded.modules()) == 14  # 7 projections x 2 layers
     out = run(["--model", str(model_dir), "--dataset", str(model_dir / "data.jsonl"), "--reward_funcs", "task_reward",
                "--max_completion_length", "5", "--use_peft", "--load_in_4bit", "--bf16", "false", "--max_steps", "3",

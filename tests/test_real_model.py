@@ -12,8 +12,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import models
+import rewards
 import rollout
 import train
+from rewards import RewardFunctions
 import vllm_rollout
 from conftest import requires_vllm
 
@@ -94,18 +96,17 @@ def test_bf16_first_step_old_log_probs_equal_the_reference(smollm2_dir, process_
     kv_cache = rollout.kv_cache
     rollout.kv_cache = lambda *args: caches.append(kv_cache(*args)) or caches[-1]
     try:
-        batch = rollout.generate(model, tokenizer, rows["prompt"], cfg, torch.device("cpu"), seed=0)
+        batch = rollout.generate(model, tokenizer, rows, cfg, torch.device("cpu"), seed=0)
     finally:
         rollout.kv_cache = kv_cache
         hook.remove()
     assert set(dtypes) == {torch.bfloat16}  # the sampler ran in bf16 ...
     assert {layer.keys.dtype for layer in caches[0].layers} == {torch.bfloat16}  # ... with its keys in bf16
-    batch["texts"] = tokenizer.batch_decode(batch["completion_lists"], skip_special_tokens=True)
-    scored = train.score(cfg, batch, rows, [train.rewards_lib.last_number_reward], model, ref, 0)
-    mask = scored["loss_mask"]
-    difference = ((scored["old_logps"] - scored["ref_logps"]).abs() * mask).sum() / mask.sum()
+    scored = train.score(cfg, batch, RewardFunctions([rewards.last_number_reward]), model, ref, 0)
+    mask = scored.loss_mask
+    difference = ((scored.old_logps - scored.ref_logps).abs() * mask).sum() / mask.sum()
     assert difference <= 1e-3
-    sampler = ((batch["sampler_logps"] - scored["ref_logps"]).abs() * mask).sum() / mask.sum()
+    sampler = ((batch.sampler_logps - scored.ref_logps).abs() * mask).sum() / mask.sum()
     assert sampler > 1e-3  # what old log-probs from the bf16 sampler would have given (why they are not used)
 
 
@@ -133,8 +134,8 @@ def test_string_prompts_get_the_tokenizers_bos_and_conversations_only_the_templa
     assert chat[0] == bos and chat.count(bos) == 1  # the template's BOS, and not a second one
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir)
     cfg = real_cfg(smollm2_dir, "--num_generations", "2", "--max_completion_length", "1")
-    batch = rollout.generate(model, tokenizer, [question, "Hi"], cfg, torch.device("cpu"))
-    first_real = batch["prompt_ids"].gather(1, batch["prompt_mask"].argmax(1, keepdim=True))  # after left padding
+    batch = rollout.generate(model, tokenizer, {"prompt": [question, "Hi"]}, cfg, torch.device("cpu"))
+    first_real = batch.prompt_ids.gather(1, batch.prompt_mask.argmax(1, keepdim=True))  # after left padding
     assert first_real.flatten().tolist() == [bos] * 4
 
 
@@ -187,10 +188,12 @@ def test_colocated_vllm_context_is_the_datasets_not_the_models_and_too_long_a_on
 
 def random_batch(b, T, vocab, prompt_len=16):
     g = torch.Generator().manual_seed(0)
-    return dict(prompt_ids=torch.randint(0, vocab, (b, prompt_len), generator=g),
-                prompt_mask=torch.ones(b, prompt_len, dtype=torch.long),
-                completion_ids=torch.randint(0, vocab, (b, T), generator=g),
-                completion_mask=torch.ones(b, T, dtype=torch.long))
+    completion_ids = torch.randint(0, vocab, (b, T), generator=g)
+    return rollout.Rollout(rows={}, prompt_ids=torch.randint(0, vocab, (b, prompt_len), generator=g),
+                           prompt_mask=torch.ones(b, prompt_len, dtype=torch.long),
+                           completion_ids=completion_ids, completion_mask=torch.ones(b, T, dtype=torch.long),
+                           truncated=torch.ones(b, dtype=torch.bool),
+                           completion_lists=completion_ids.tolist(), texts=[""] * b)
 
 
 def logps_and_grads(model, batch, chunked):

@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 
+import config
 import rewards
 from rewards import compute_rewards, load_reward_func, reward_name
 
@@ -161,6 +162,13 @@ def test_think_format_and_soft_overlong():
     assert rewards.think_format_reward(["<think>a</think>b", "<think>a<think>b</think>", "b"]) == [1.0, 0.0, 0.0]
     punish = rewards.soft_overlong_punishment(max_completion_len=10, soft_punish_cache=4)
     assert punish(completion_ids=[[0] * 6, [0] * 8, [0] * 10, [0] * 11]) == [0.0, -0.5, -1.0, -1.0]
+    # by name (--reward_funcs soft_overlong_punishment): the cache is the last fifth of the budget
+    cfg = config.parse_config(["--reward_funcs", "task_reward", "soft_overlong_punishment",
+                              "--max_completion_length", "10"])
+    funcs = rewards.load_rewards(cfg, "cpu")
+    assert funcs.names == ["task_reward", "soft_overlong_punishment_reward"]
+    by_name = load_reward_func("soft_overlong_punishment", max_completion_length=10)
+    assert by_name(completion_ids=[[0] * 8, [0] * 9, [0] * 10]) == [0.0, -0.5, -1.0]
 
 
 def test_reward_model_scores_prompt_plus_completion_with_logits_column_zero(reward_model_dir):

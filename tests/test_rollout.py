@@ -53,15 +53,15 @@ def test_prompt_texts_apply_chat_template_only_to_conversations(tiny):
 def test_generate_groups_masks_and_padding(tiny):
     model, tokenizer, _ = tiny
     torch.manual_seed(0)
-    out = rollout.generate(model, tokenizer, ["123=", "4=", "98765="], gen_cfg(), torch.device("cpu"))
-    B, T = out["completion_ids"].shape
+    out = rollout.generate(model, tokenizer, {"prompt": ["123=", "4=", "98765="]}, gen_cfg(), torch.device("cpu"))
+    B, T = out.completion_ids.shape
     assert B == 9 and T <= 6
     # left padding: the prompt block of "4=" starts with padding, group members repeat their prompt
-    assert out["prompt_mask"][3].tolist()[:4] == [0, 0, 0, 0] and out["prompt_mask"][6].all()
-    assert torch.equal(out["prompt_ids"][0], out["prompt_ids"][2])
+    assert out.prompt_mask[3].tolist()[:4] == [0, 0, 0, 0] and out.prompt_mask[6].all()
+    assert torch.equal(out.prompt_ids[0], out.prompt_ids[2])
     eos = tokenizer.eos_token_id
-    for ids, mask, trunc, lst in zip(out["completion_ids"], out["completion_mask"], out["truncated"],
-                                     out["completion_lists"]):
+    for ids, mask, trunc, lst in zip(out.completion_ids, out.completion_mask, out.truncated,
+                                     out.completion_lists):
         n = int(mask.sum())
         assert mask[:n].all() and not mask[n:].any()
         assert lst == ids[:n].tolist()
@@ -80,11 +80,11 @@ def test_sampler_logps_equal_a_full_forward(tiny, knobs):
     model, tokenizer, _ = tiny
     cfg = gen_cfg(**knobs)
     torch.manual_seed(1)
-    out = rollout.generate(model, tokenizer, ["123=", "4=", "98765="], cfg, torch.device("cpu"))
+    out = rollout.generate(model, tokenizer, {"prompt": ["123=", "4=", "98765="]}, cfg, torch.device("cpu"))
     with torch.no_grad():
         logps, _, T = rollout.forward_logps(model, out, slice(None), cfg.temperature)
-    mask = out["completion_mask"][:, :T]
-    torch.testing.assert_close(out["sampler_logps"][:, :T] * mask, logps * mask, atol=1e-5, rtol=0)
+    mask = out.completion_mask[:, :T]
+    torch.testing.assert_close(out.sampler_logps[:, :T] * mask, logps * mask, atol=1e-5, rtol=0)
 
 
 @torch.no_grad()
@@ -122,18 +122,18 @@ def test_chunks_and_static_cache_give_the_samples_of_one_call_with_a_bounded_kv_
     fixed shapes) samples the same tokens as the growing one."""
     model, tokenizer, _ = tiny
     prompts = ["123=", "4=", "98765="]
-    whole = rollout.generate(model, tokenizer, prompts, gen_cfg(max_completion_length=12), CPU, seed=7)
+    whole = rollout.generate(model, tokenizer, {"prompt": prompts}, gen_cfg(max_completion_length=12), CPU, seed=7)
     caches = []
     kv_cache = rollout.kv_cache
     monkeypatch.setattr(rollout, "kv_cache", lambda *args: caches.append(kv_cache(*args)) or caches[-1])
-    chunked = rollout.generate(model, tokenizer, prompts, gen_cfg(max_completion_length=12, generation_chunk_size=4),
+    chunked = rollout.generate(model, tokenizer, {"prompt": prompts}, gen_cfg(max_completion_length=12, generation_chunk_size=4),
                                CPU, seed=7)
     assert [layer.key_buffer.shape[0] for layer in caches[0].layers] == [4, 4] and len(caches) == 3  # 4 + 4 + 1
-    assert torch.equal(chunked["completion_ids"], whole["completion_ids"])
-    torch.testing.assert_close(chunked["sampler_logps"], whole["sampler_logps"], atol=1e-5, rtol=0)
-    other_seed = rollout.generate(model, tokenizer, prompts, gen_cfg(max_completion_length=12), CPU, seed=8)
-    assert not torch.equal(other_seed["completion_ids"], whole["completion_ids"])
-    p, m = rollout.left_pad(rollout.tokenize_prompts(tokenizer, prompts), tokenizer.pad_token_id, 3)
+    assert torch.equal(chunked.completion_ids, whole.completion_ids)
+    torch.testing.assert_close(chunked.sampler_logps, whole.sampler_logps, atol=1e-5, rtol=0)
+    other_seed = rollout.generate(model, tokenizer, {"prompt": prompts}, gen_cfg(max_completion_length=12), CPU, seed=8)
+    assert not torch.equal(other_seed.completion_ids, whole.completion_ids)
+    p, m = rollout.prompt_tensors(rollout.tokenize_prompts(tokenizer, prompts), tokenizer.pad_token_id, 3, CPU)
     keys = rollout.row_keys(7, len(p), CPU)
     with torch.no_grad():
         growing = rollout.decode(model.eval(), p, m, gen_cfg(max_completion_length=12), [0], 0, keys, static=False)
@@ -145,7 +145,7 @@ def test_chunks_and_static_cache_give_the_samples_of_one_call_with_a_bounded_kv_
 def test_compiled_decode_step_samples_what_the_eager_one_does(tiny):
     """--compile_decode: torch.compile over the static cache (CUDA graphs on a GPU; inductor here)."""
     model, tokenizer, _ = tiny
-    p, m = rollout.left_pad(rollout.tokenize_prompts(tokenizer, ["12=", "34567="]), tokenizer.pad_token_id, 2)
+    p, m = rollout.prompt_tensors(rollout.tokenize_prompts(tokenizer, ["12=", "34567="]), tokenizer.pad_token_id, 2, CPU)
     keys = rollout.row_keys(3, len(p), CPU)
     with torch.no_grad():
         eager = rollout.decode(model.eval(), p, m, gen_cfg(max_completion_length=10), [0], 0, keys, static=True)
@@ -159,13 +159,13 @@ def test_log_probs_through_the_chunked_head_equal_the_full_logits(tiny, monkeypa
     """LogpsHead in chunks of 3 positions (and one shorter) against the model's own head: log-probs, entropies and
     gradients agree; a model that transforms its logits (Gemma-2's softcapping) keeps its own head."""
     model, tokenizer, _ = tiny
-    batch = rollout.generate(model, tokenizer, ["123=", "4="], gen_cfg(max_completion_length=8), CPU, seed=1)
+    batch = rollout.generate(model, tokenizer, {"prompt": ["123=", "4="]}, gen_cfg(max_completion_length=8), CPU, seed=1)
     monkeypatch.setattr(rollout, "HEAD_CHUNK_ELEMENTS", 6 * 3 * model.config.vocab_size)
     results = []
     for chunked in (True, False):
         model.zero_grad(set_to_none=True)
         logps, entropy, T = rollout.forward_logps(model.train(), batch, slice(None), 0.7, chunked=chunked)
-        (logps * batch["completion_mask"][:, :T]).sum().backward()
+        (logps * batch.completion_mask[:, :T]).sum().backward()
         results.append((logps.detach(), entropy, [p.grad.clone() for p in model.parameters()]))
     torch.testing.assert_close(results[0][0], results[1][0], atol=1e-6, rtol=0)
     torch.testing.assert_close(results[0][1], results[1][1], atol=1e-5, rtol=0)
@@ -186,11 +186,11 @@ def test_model_generation_config_does_not_leak_into_sampling(tiny):
     model.generation_config.top_k = 1
     try:
         torch.manual_seed(0)
-        out = rollout.generate(model, tokenizer, ["123="], gen_cfg(num_generations=8), torch.device("cpu"))
+        out = rollout.generate(model, tokenizer, {"prompt": ["123="]}, gen_cfg(num_generations=8), torch.device("cpu"))
     finally:
         model.generation_config.top_k = None
     assert model.generation_config is shipped
-    assert len({tuple(x) for x in out["completion_lists"]}) > 1
+    assert len({tuple(x) for x in out.completion_lists}) > 1
 
 
 # ------------------------------------------------------------------------------------------------ vLLM, for real
@@ -374,15 +374,15 @@ def test_vlm_training_forward_reproduces_the_sampler_log_probs(tmp_path, family,
     images = rollout.row_images(rows)
     assert [len(r) for r in images] == [1, 2, 1]
     torch.manual_seed(0)
-    batch = rollout.generate(model, processor.tokenizer, rows["prompt"], gen_cfg(num_generations=2, max_completion_length=8),
-                             torch.device("cpu"), processor, images)
-    assert batch["prompt_ids"].shape[0] == 6 and (batch["prompt_mask"] == 0).any()  # left padding in the batch
+    batch = rollout.generate(model, processor.tokenizer, rows, gen_cfg(num_generations=2, max_completion_length=8),
+                             torch.device("cpu"), processor)
+    assert batch.prompt_ids.shape[0] == 6 and (batch.prompt_mask == 0).any()  # left padding in the batch
     placeholders = torch.tensor(rollout.image_token_ids(processor))
-    assert len(placeholders) and not torch.isin(batch["completion_ids"], placeholders).any()
+    assert len(placeholders) and not torch.isin(batch.completion_ids, placeholders).any()
     for rows_slice in rollout.micro_batches(6, 3):
         logps, _, T = rollout.forward_logps(model, batch, rows_slice, 1.0)
-        mask = batch["completion_mask"][rows_slice, :T]
-        torch.testing.assert_close(logps * mask, batch["sampler_logps"][rows_slice, :T], atol=2e-5, rtol=0)
+        mask = batch.completion_mask[rows_slice, :T]
+        torch.testing.assert_close(logps * mask, batch.sampler_logps[rows_slice, :T], atol=2e-5, rtol=0)
 
 
 @requires_vllm

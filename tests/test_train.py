@@ -18,9 +18,11 @@ import checkpoint
 import data
 import distributed
 import metrics
+import rewards
 import rollout
 import train
 from conftest import requires_vllm
+from rewards import RewardFunctions
 from rloo import rloo_advantages, sequence_kl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -151,14 +153,14 @@ def hand_built_batch(model, tokenizer):
     """Two groups of G=2; completion 1 is truncated (no EOS)."""
     torch.manual_seed(0)
     cfg = cfg_for(num_generations=2, max_completion_length=4, per_device_train_batch_size=4)
-    batch = rollout.generate(model, tokenizer, ["12=", "345="], cfg, torch.device("cpu"))
+    batch = rollout.generate(model, tokenizer, {"prompt": ["12=", "345="]}, cfg, torch.device("cpu"))
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     ids = torch.tensor([[5, 6, eos, pad], [7, 7, 7, 7], [eos, pad, pad, pad], [8, 9, 4, eos]])
-    batch["completion_ids"], batch["completion_mask"], batch["truncated"] = rollout.completion_masks(ids, [eos], pad)
-    batch["completion_lists"] = [row[:int(n)] for row, n in zip(ids.tolist(), batch["completion_mask"].sum(-1))]
+    batch.completion_ids, batch.completion_mask, batch.truncated = rollout.completion_masks(ids, [eos], pad)
+    batch.completion_lists = [row[:int(n)] for row, n in zip(ids.tolist(), batch.completion_mask.sum(-1))]
     with torch.no_grad():
         logps, _, _ = rollout.forward_logps(model, batch, slice(None), 1.0)
-    batch["sampler_logps"] = logps * batch["completion_mask"]
+    batch.sampler_logps = logps * batch.completion_mask
     return cfg, batch
 
 
@@ -175,20 +177,20 @@ def test_mask_truncated_completions_drops_their_tokens_but_keeps_their_reward_in
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    batch["texts"], rows = ["a", "b", "c", "d"], {"prompt": ["12=", "345="]}
-    R = [1.0, 3.0, 0.0, 2.0]
+    batch.texts = ["a", "b", "c", "d"]
+    R = RewardFunctions([constant_reward([1.0, 3.0, 0.0, 2.0])])
     for masked in (False, True):
         cfg.mask_truncated_completions, cfg.beta = masked, 0.0
-        out = train.score(cfg, batch, rows, [constant_reward(R)], model, None, 0)
-        assert out["loss_mask"][1].sum().item() == (0 if masked else 4)
-        assert out["loss_mask"][3].sum().item() == 4
+        out = train.score(cfg, batch, R, model, None, 0)
+        assert out.loss_mask[1].sum().item() == (0 if masked else 4)
+        assert out.loss_mask[3].sum().item() == 4
         # the truncated completion's reward still enters its sibling's baseline: A = +-(1 - 3)
-        assert out["advantages"].tolist() == [-2.0, 2.0, -2.0, 2.0]
+        assert out.advantages.tolist() == [-2.0, 2.0, -2.0, 2.0]
         cfg.beta = 0.5
-        out = train.score(cfg, batch, rows, [constant_reward(R)], model, ref, 0)
+        out = train.score(cfg, batch, R, model, ref, 0)
         if masked:
-            assert out["kl_sums"][1].item() == 0.0  # no KL for a masked completion
-        assert out["kl_sums"][0].item() != 0.0
+            assert out.kl_sums[1].item() == 0.0  # no KL for a masked completion
+        assert out.kl_sums[0].item() != 0.0
 
 
 def test_kl_from_sampler_logps_equals_two_pass_computation():
@@ -200,18 +202,17 @@ def test_kl_from_sampler_logps_equals_two_pass_computation():
             p.add_(0.1 * torch.randn_like(p))
     cfg = cfg_for(num_generations=4, max_completion_length=6, beta=0.2, temperature=0.8)
     torch.manual_seed(0)
-    batch = rollout.generate(model, tokenizer, ["12=", "345=", "6789="], cfg, torch.device("cpu"))
-    batch["texts"] = tokenizer.batch_decode(batch["completion_lists"], skip_special_tokens=True)
     rows = {"prompt": ["12=", "345=", "6789="], "target": ["21", "543", "9876"]}
-    ours = train.score(cfg, batch, rows, [train.rewards_lib.task_reward], model, ref, 0)
+    batch = rollout.generate(model, tokenizer, rows, cfg, torch.device("cpu"))
+    ours = train.score(cfg, batch, RewardFunctions([rewards.task_reward]), model, ref, 0)
     with torch.no_grad():  # the plain two-pass way: score the policy and the reference on the finished batch
         old, _, T = rollout.forward_logps(model, batch, slice(None), cfg.temperature)
         ref_logps, _, _ = rollout.forward_logps(ref, batch, slice(None), cfg.temperature)
-    kl = sequence_kl(old, ref_logps, batch["completion_mask"][:, :T])
+    kl = sequence_kl(old, ref_logps, batch.completion_mask[:, :T])
     assert kl.abs().max() > 0.01  # the reference really differs
-    torch.testing.assert_close(ours["kl_sums"], kl, atol=1e-4, rtol=1e-4)
-    R = ours["rewards_per_func"][:, 0]
-    torch.testing.assert_close(ours["advantages"], rloo_advantages(R - cfg.beta * kl, 4), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ours.kl_sums, kl, atol=1e-4, rtol=1e-4)
+    R = ours.rewards_per_func[:, 0]
+    torch.testing.assert_close(ours.advantages, rloo_advantages(R - cfg.beta * kl, 4), atol=1e-4, rtol=1e-4)
 
 
 def test_frac_reward_zero_std_ignores_unscorable_members():
@@ -247,9 +248,9 @@ def test_gradient_accumulation_equals_one_big_batch():
     model, tokenizer, _ = data.embedded_task(seed=0)
     cfg = cfg_for(num_generations=4, max_completion_length=6, beta=0.0)
     torch.manual_seed(0)
-    batch = rollout.generate(model, tokenizer, ["12=", "345="], cfg, torch.device("cpu"))
+    batch = rollout.generate(model, tokenizer, {"prompt": ["12=", "345="]}, cfg, torch.device("cpu"))
     advantages = torch.randn(8)
-    loss_mask = batch["completion_mask"].float()
+    loss_mask = batch.completion_mask.float()
     updated = []
     for micro in (8, 4):
         m = copy.deepcopy(model)
@@ -257,7 +258,7 @@ def test_gradient_accumulation_equals_one_big_batch():
         opt = torch.optim.SGD(m.parameters(), lr=1.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         _, stats, grad_norm, _ = train.policy_step(cfg, m, opt, sched, batch,
-                                                   {"loss_mask": loss_mask, "advantages": advantages})
+                                                   train.Scores(None, None, loss_mask, advantages))
         updated.append((torch.cat([p.detach().flatten() for p in m.parameters()]), stats["loss"], grad_norm))
     torch.testing.assert_close(updated[0][0], updated[1][0], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(updated[0][1], updated[1][1], atol=1e-6, rtol=1e-5)
@@ -399,7 +400,7 @@ def test_gradient_checkpointing_and_bf16_change_memory_not_math():
     model, tokenizer, _ = data.embedded_task(seed=0)
     cfg = cfg_for(num_generations=4, max_completion_length=6)
     torch.manual_seed(0)
-    batch = rollout.generate(model, tokenizer, ["12=", "345="], cfg, torch.device("cpu"))
+    batch = rollout.generate(model, tokenizer, {"prompt": ["12=", "345="]}, cfg, torch.device("cpu"))
     grads, logps = [], []
     for checkpointing, bf16 in [(False, False), (True, False), (False, True)]:
         m = copy.deepcopy(model)
@@ -408,7 +409,7 @@ def test_gradient_checkpointing_and_bf16_change_memory_not_math():
         m.train()
         with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
             lp, _, _ = rollout.forward_logps(m, batch, slice(None), 1.0)
-        (lp * batch["completion_mask"]).sum().backward()
+        (lp * batch.completion_mask).sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in m.parameters()]))
         logps.append(lp.detach())
     torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-5)  # checkpointing: same gradient

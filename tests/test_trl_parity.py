@@ -11,7 +11,7 @@ function, fp32, beta > 0, num_iterations = 1, G = 4, 16 completions. Both sides 
 TRL runs its own `train()` for max_steps=1, so its RepeatSampler, `_generate_and_score_completions`, `_compute_loss`,
 the HF Trainer's gradient accumulation, clipping and AdamW (with its parameter groups) all run as in a real job. The
 one seam is `_generate_single_turn` (prompt ids -> completion ids), which returns our fixed completions. Ours: the
-batch dict as rollout.finish_batch builds it, then train.score and train.policy_step.
+Rollout as rollout.finish builds it, then train.score and train.policy_step.
 
 On the step (5): Adam's first update is -lr * g / (|g| + eps) per element, whose derivative lr * eps / (|g| + eps)^2
 is lr/eps where g ~ 0. An fp32 rounding difference of 1e-10 in a gradient element near eps = 1e-8 therefore moves
@@ -34,6 +34,7 @@ pytest.importorskip("accelerate")
 import models  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
+from rewards import RewardFunctions  # noqa: E402
 
 G = 4
 B = 16
@@ -115,18 +116,18 @@ def run_ours(policy, ref, tokenizer, completions, opts, monkeypatch, inject=None
         "--gradient_checkpointing", "false", "--mask_truncated_completions", str(opts["mask_truncated"]).lower(),
         "--normalize_advantages", str(opts["normalize"]).lower()])
     # prompts: as rollout.generate tokenizes and pads them
-    prompt_ids, prompt_mask = rollout.left_pad(rollout.tokenize_prompts(tokenizer, PROMPTS), tokenizer.pad_token_id, G)
+    prompt_ids, prompt_mask = rollout.prompt_tensors(rollout.tokenize_prompts(tokenizer, PROMPTS),
+                                                     tokenizer.pad_token_id, G, torch.device("cpu"))
     T = max(len(c) for c in completions)
-    completion_ids = torch.tensor([c + [tokenizer.pad_token_id] * (T - len(c)) for c in completions])
-    batch = rollout.finish_batch(prompt_ids, prompt_mask, completion_ids, torch.zeros(completion_ids.shape),
-                                 rollout.eos_token_ids(tokenizer, model), tokenizer.pad_token_id)
-    assert batch["completion_lists"] == completions
+    completion_ids = rollout.pad(completions, tokenizer.pad_token_id)
+    batch = rollout.finish({"prompt": PROMPTS}, prompt_ids, prompt_mask, completion_ids,
+                           torch.zeros(completion_ids.shape), rollout.eos_token_ids(tokenizer, model), tokenizer)
+    assert batch.completion_lists == completions
     with torch.no_grad():  # the sampler's log-probs: at the first step, the policy's own (no-grad forward)
         logps, _, T_used = rollout.forward_logps(model, batch, slice(None), cfg.temperature)
     assert T_used == T
-    batch["sampler_logps"] = logps * batch["completion_mask"]
-    batch["texts"] = tokenizer.batch_decode(batch["completion_lists"], skip_special_tokens=True)
-    out = train.score(cfg, batch, {"prompt": PROMPTS}, [make_reward(opts["unscorable"])], model=model, ref_model=ref,
+    batch.sampler_logps = logps * batch.completion_mask
+    out = train.score(cfg, batch, RewardFunctions([make_reward(opts["unscorable"])]), model=model, ref_model=ref,
                       step=0)
 
     optimizer = models.make_optimizer(model, cfg)
@@ -135,10 +136,10 @@ def run_ours(policy, ref, tokenizer, completions, opts, monkeypatch, inject=None
     _, stats, grad_norm, _ = train.policy_step(cfg, model, optimizer, scheduler, batch, out)
     monkeypatch.undo()
     names = [n for n, _ in model.named_parameters()]
-    return dict(prompt_ids=[ids[m == 1].tolist() for ids, m in zip(batch["prompt_ids"], batch["prompt_mask"])],
-                truncated=batch["truncated"], R=out["rewards_per_func"][:, 0], kl=out["kl_sums"],
-                rewards=out["rewards"], advantages=out["advantages"],
-                old_logps=(batch["sampler_logps"] * out["loss_mask"]).sum(-1), loss=stats["loss"], grad_norm=grad_norm,
+    return dict(prompt_ids=[ids[m == 1].tolist() for ids, m in zip(batch.prompt_ids, batch.prompt_mask)],
+                truncated=batch.truncated, R=out.rewards_per_func[:, 0], kl=out.kl_sums,
+                rewards=out.rewards, advantages=out.advantages,
+                old_logps=(batch.sampler_logps * out.loss_mask).sum(-1), loss=stats["loss"], grad_norm=grad_norm,
                 grads=dict(zip(names, grads[0])), params={n: p.detach().clone() for n, p in model.named_parameters()})
 
 

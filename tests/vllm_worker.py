@@ -4,6 +4,7 @@ check that the engine follows the trainer: the log-probs vLLM returns for its sa
     python tests/vllm_worker.py OUT.json --model DIR [--vllm_mode server --vllm_server_port P ...]"""
 
 import copy
+import dataclasses
 import json
 import os
 import sys
@@ -31,27 +32,28 @@ eos_ids = rollout.eos_token_ids(tokenizer, model)
 if cfg.use_peft:  # the engine gets W + (alpha / r) B A
     model = lora.add_adapter(model, lora.settings(cfg))
 model = models.prepare_model(model, cfg, trainable=True)
-sample, push_weights, stop = vllm_rollout.connect(cfg, model, tokenizer, device)
-generate = vllm_rollout.vllm_generator(sample, cfg, tokenizer, None, eos_ids, device)
+generator = vllm_rollout.make_generator(cfg, model, tokenizer, None, device)
 optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)  # large steps
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
 prompts = [["What is 2+2?", "Say hi."], ["Count: 1 2 3", "abc"]][rank % 2]
-greedy_cfg = train.parse_config(["--num_generations", "1", "--max_completion_length", "12", "--temperature", "0"])
+# one greedy completion per prompt (below the flag's domain: a sampler setting, not a training run)
+greedy_cfg = dataclasses.replace(train.parse_config(["--max_completion_length", "12"]), num_generations=1,
+                                 temperature=0.0)
 report = {"drift": []}
 for step in range(3):
-    push_weights()
-    batch = generate(prompts)
+    batch = generator.generate({"prompt": prompts})  # pushes the weights of the last step first
     with torch.no_grad():  # the log-probs vLLM returned vs the trainer's forward on the same (pushed) weights
         logps, _, T = rollout.forward_logps(model, batch, slice(None), cfg.temperature)
         initial_logps, _, _ = rollout.forward_logps(initial, batch, slice(None), cfg.temperature)
-    mask = batch["completion_mask"][:, :T]
-    report["drift"].append(((batch["sampler_logps"][:, :T] - logps).abs() * mask).max().item())
-    report["moved"] = ((batch["sampler_logps"][:, :T] - initial_logps).abs() * mask).max().item()
-    advantages = torch.randn(len(batch["completion_lists"]))
-    train.policy_step(cfg, model, optimizer, scheduler, batch, {"loss_mask": mask.float(), "advantages": advantages})
+    mask = batch.completion_mask[:, :T]
+    report["drift"].append(((batch.sampler_logps[:, :T] - logps).abs() * mask).max().item())
+    report["moved"] = ((batch.sampler_logps[:, :T] - initial_logps).abs() * mask).max().item()
+    advantages = torch.randn(len(batch.completion_lists))
+    scores = train.Scores(None, None, batch.completion_mask.float(), advantages)
+    train.policy_step(cfg, model, optimizer, scheduler, batch, scores)
 
-push_weights()
-from_vllm = vllm_rollout.vllm_generator(sample, greedy_cfg, tokenizer, None, eos_ids, device)(prompts)["completion_lists"]
+greedy = vllm_rollout.VLLMGenerator(greedy_cfg, model, tokenizer, None, device, generator.engine)
+from_vllm = greedy.generate({"prompt": prompts}).completion_lists
 enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
 model.eval()
 with torch.no_grad(), rollout.unsharded(model):
@@ -68,5 +70,5 @@ else:
 if rank == 0:
     with open(out_path, "w") as f:
         json.dump(reports, f)
-stop()
+generator.close()
 distributed.shutdown()
