@@ -36,6 +36,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from config import fail
 from rloo import token_logps_and_entropy
 
 
@@ -191,8 +192,8 @@ def load_image(x):
             x = io.BytesIO(x["bytes"]) if x.get("bytes") else x["path"]
         return (x if isinstance(x, Image.Image) else Image.open(x)).convert("RGB")
     except (OSError, KeyError, TypeError, AttributeError) as e:  # PIL's errors are OSErrors
-        raise ValueError(f"cannot read image {str(x)[:200]!r}: {e}. Image columns take PIL images, "
-                         "image file paths, or {'bytes': ..., 'path': ...} dicts") from None
+        fail(f"cannot read image {str(x)[:200]!r}: {e}. Image columns take PIL images, image file "
+             "paths, or {'bytes': ..., 'path': ...} dicts")
 
 
 def processor_inputs(processor, texts, images, device):

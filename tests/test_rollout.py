@@ -355,7 +355,7 @@ def test_images_enter_the_first_user_message_and_every_image_form_loads(tmp_path
     assert [len(r) for r in rollout.row_images({"images": [[str(path)] * 2, []]})] == [2, 0]
     assert rollout.row_images({"prompt": ["x"]}) is None
     (tmp_path / "broken.png").write_text("not an image")
-    with pytest.raises(ValueError, match="cannot read image .*broken.png"):
+    with pytest.raises(SystemExit, match="cannot read image .*broken.png"):
         rollout.row_images({"image": [str(tmp_path / "broken.png")]})
 
 
