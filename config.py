@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Literal
 
 import torch
-from transformers import HfArgumentParser
+from transformers import HfArgumentParser, get_scheduler
 
 
 def fail(message):
@@ -77,14 +77,28 @@ def json_object(schema=None):
             return False
         return schema is None or all(k in schema and valid(v, *schema[k]) for k, v in value.items())
     keys = "" if schema is None else " with keys " + ", ".join(
-        f"{k} ({kind.__name__})" for k, (kind, _) in schema.items())
+        f"{k} ({getattr(kind, '__name__', kind)})" for k, (kind, _) in schema.items())
     return Domain("a JSON object" + keys, test)
 
 
+# JSON values that are not one Python type
+IDS, ID_LISTS = "a list of token ids", "a list of non-empty token-id lists"
+WORDS, BIAS = "a list of non-empty strings", "an object {token id: finite number}"
+
+
 def valid(value, kind, domain):
-    """A JSON value of the given kind (list: of ints) within domain."""
-    if kind is list:
-        return isinstance(value, list) and all(type(v) is int for v in value)
+    """A JSON value of the given kind (a type, or one of the kinds above) within domain."""
+    ints = lambda v: isinstance(v, list) and all(type(i) is int for i in v)  # noqa: E731
+    if kind in (IDS, ID_LISTS):
+        return ints(value) if kind == IDS else isinstance(value, list) and all(
+            ints(v) and v for v in value)
+    if kind == WORDS:
+        return isinstance(value, list) and all(isinstance(v, str) and v for v in value)
+    if kind == BIAS:
+        return isinstance(value, dict) and all(
+            k.isdigit() and FINITE.allows(v) for k, v in value.items())
+    if kind is bool:
+        return isinstance(value, bool)
     typed = isinstance(value, kind) and not isinstance(value, bool)
     typed = typed or kind is float and type(value) is int
     return typed and (domain is None or domain.allows(value))
@@ -92,15 +106,43 @@ def valid(value, kind, domain):
 
 FINITE = number("finite", lambda v: True)
 JSON_OBJECT = json_object()
-# --generation_kwargs both generators implement, with vLLM SamplingParams' names and meaning: EOS
-# (and stop ids) suppressed until min_tokens completion tokens; OpenAI's penalties over the
-# completion so far; extra stop ids.
+# --generation_kwargs both generators implement, with vLLM SamplingParams' names and meanings,
+# applied in vLLM's order: allowed_token_ids (all others banned), bad_words (token sequences the
+# completion may not end with), logit_bias (added to the logits), EOS (and stop ids) suppressed
+# until min_tokens completion tokens, OpenAI's penalties over the completion so far. The log-probs
+# the trainer scores stay those of softmax(z / T): these shape what is sampled, as top-k does.
 GENERATION_KWARGS = {"min_tokens": (int, at_least(0)), "presence_penalty": (float, FINITE),
-                     "frequency_penalty": (float, FINITE), "stop_token_ids": (list, None)}
-GENERATION_SCHEMA = json_object(GENERATION_KWARGS)
-# transformers schedulers that need no lr_scheduler_kwargs and no metric to step
+                     "frequency_penalty": (float, FINITE), "stop_token_ids": (IDS, None),
+                     "allowed_token_ids": (IDS, None), "bad_words": (WORDS, None),
+                     "bad_words_ids": (ID_LISTS, None), "logit_bias": (BIAS, None),
+                     "do_sample": (bool, None)}
+# keys that are flags (generation_kwargs wins, as in TRL) or their Hugging Face / vLLM aliases
+GENERATION_FLAGS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                    "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                    "max_new_tokens": "max_completion_length",
+                    "max_tokens": "max_completion_length"}
+GENERATION_ALIASES = {"min_new_tokens": "min_tokens"}
+# keys refused, and why
+NOT_A_SAMPLE = ("is not a sample of the policy (the completions would not be drawn from pi, so "
+                "the policy gradient would be wrong)")
+GENERATION_REFUSED = {
+    **{k: "beam search " + NOT_A_SAMPLE for k in (
+        "num_beams", "num_beam_groups", "length_penalty", "early_stopping", "diversity_penalty",
+        "use_beam_search", "best_of")},
+    "num_return_sequences": "set --num_generations (completions per prompt)",
+    "n": "set --num_generations (completions per prompt)",
+    "seed": "set --seed (each request is seeded from it)",
+    "structured_outputs": "set --vllm_structured_outputs_regex",
+    "logprobs": "rloo asks for the log-probs it needs",
+    "stop": "give token ids in stop_token_ids (a completion ends at a token, which both "
+            "generators check)"}
+# transformers' schedulers that step on the step count (reduce_lr_on_plateau and greedy step on
+# an eval loss, which an RL run does not have)
 SCHEDULERS = one_of("linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
-                    "constant_with_warmup", "inverse_sqrt")
+                    "constant_with_warmup", "inverse_sqrt", "cosine_with_min_lr",
+                    "cosine_warmup_with_min_lr", "warmup_stable_decay")
+EVAL_SOURCE = Domain("NAME=SOURCE or NAME=SOURCE@SPLIT",
+                     lambda v: v.partition("=")[0].isidentifier() and bool(v.partition("=")[2]))
 STEPS = Domain("-1 (run num_train_epochs) or >= 1",
                lambda v: type(v) is int and (v == -1 or v >= 1))
 
@@ -117,6 +159,8 @@ def arg(default, domain_or_help, help=None):
     domain, help = (None, domain_or_help) if help is None else (domain_or_help, help)
     text = HelpText(help if domain is None else f"{help} [{domain.text}]")
     text.domain = domain
+    if isinstance(default, list):  # a fresh list per Config
+        return field(default_factory=lambda: list(default), metadata={"help": text})
     return field(default=default, metadata={"help": text})
 
 
@@ -132,6 +176,11 @@ class Config:
     trust_remote_code: bool = arg(False,
         "Allow a model whose architecture is custom code in its repository (from_pretrained and "
         "vLLM).")
+    router_aux_loss_coef: float | None = arg(None, at_least(0),
+        "Mixture-of-experts models: weight of the router's load-balancing loss (Switch "
+        "Transformer's auxiliary loss) added to the loss, logged as aux_loss. Default: the model "
+        "config's (0.001 for Qwen3-MoE, GPT-OSS, Mixtral; none for GLM-4-MoE, balanced without "
+        "it); 0: off.")
     use_peft: bool = arg(False,
         "Train a LoRA adapter (pip install peft) instead of all weights; the reference is the "
         "model with the adapter off (no second copy).")
@@ -145,6 +194,17 @@ class Config:
     lora_target_modules: list[str] | None = arg(None,
         "Module names to adapt (e.g. q_proj v_proj), or all-linear; default: peft's choice for the "
         "architecture.")
+    lora_target_parameters: list[str] | None = arg(None,
+        "Parameters to adapt by name (peft's target_parameters), e.g. mlp.experts.gate_up_proj "
+        "mlp.experts.down_proj: the fused experts of GPT-OSS and Qwen3-MoE, which are not linear "
+        "layers.")
+    lora_modules_to_save: list[str] | None = arg(None,
+        "Modules trained in full beside the adapter (peft's modules_to_save), e.g. a MoE router.")
+    use_rslora: bool = arg(False,
+        "rsLoRA (Kalajdzievski 2023): scale the update by alpha / sqrt(r) instead of alpha / r.")
+    use_dora: bool = arg(False,
+        "DoRA (Liu et al. 2024): the adapted weight is m * (W + s B A) / ||W + s B A|| per "
+        "output, with the magnitude m trained too.")
     load_in_4bit: bool = arg(False,
         "QLoRA: keep the frozen base in 4-bit NF4 (pip install bitsandbytes), with --use_peft. The "
         "final model and export merge the adapter into the full-precision base.")
@@ -155,8 +215,15 @@ class Config:
         "Dataset configuration name (load_dataset's `name`).")
     dataset_split: str = arg("train",
         "Dataset split to train on.")
-    eval_split: str | None = arg(None,
-        "Split of the same dataset to evaluate on every eval_steps (metrics prefixed eval_).")
+    eval_split: list[str] | None = arg(None,
+        "Splits of --dataset to evaluate on every eval_steps. Metrics are prefixed eval_ when "
+        "there is one eval set, eval_<name>_ for each of several.")
+    eval_dataset: list[str] | None = arg(None, EVAL_SOURCE,
+        "More eval sets, each NAME=SOURCE or NAME=SOURCE@SPLIT, SOURCE as for --dataset (SPLIT "
+        "default: train, the only split of a file); metrics prefixed as for eval_split.")
+    per_device_eval_batch_size: int | None = arg(None, at_least(1),
+        "Completions per rank in one evaluation generate call, a multiple of "
+        "num_generations_eval (default: the training batch per rank).")
     eval_steps: int = arg(100, at_least(1),
         "Evaluate every this many optimizer steps when eval_split is set.")
     streaming: bool = arg(False,
@@ -180,6 +247,17 @@ class Config:
         "G: completions sampled per prompt (>= 2, the leave-one-out group).")
     max_completion_length: int = arg(256, at_least(1),
         "Most tokens generated per completion; one that ends without EOS is truncated.")
+    steps_per_generation: int | None = arg(None, at_least(1),
+        "Micro-batches of per_device_train_batch_size in one generated batch (TRL's; default "
+        "gradient_accumulation_steps, a multiple of it): each gradient_accumulation_steps of them "
+        "is an optimizer step, so a batch feeds several steps (PPO-style mini-batches; the clip "
+        "then matters even with num_iterations 1).")
+    generation_batch_size: int | None = arg(None, at_least(1),
+        "Completions generated per step over all ranks (TRL's): sets steps_per_generation to "
+        "this / (per_device_train_batch_size * processes). Give one of the two.")
+    pad_to_multiple_of: int | None = arg(None, at_least(1),
+        "Pad the training forward's prompt and completion lengths each to a multiple of this "
+        "(fewer distinct shapes: tensor-core and compiler friendly).")
     generation_chunk_size: int = arg(0, at_least(0),
         "Our decode loop samples at most this many of a rank's completions at once (0: all), which "
         "bounds its KV cache; the samples do not depend on it.")
@@ -199,13 +277,21 @@ class Config:
         "Penalty (> 1) on tokens already in the prompt or completion. With vLLM, it and "
         "top_k/top_p/min_p cost one no-grad policy forward per step when beta > 0 (vLLM cannot "
         "report log softmax(logits/T) with them; T=1 with a colocated engine can).")
-    generation_kwargs: dict | str | None = arg(None, GENERATION_SCHEMA,
-        "JSON dict of extra sampling options for both generators (vLLM's names and meanings).")
+    generation_kwargs: dict | str | None = arg(None, JSON_OBJECT,
+        "JSON dict of sampling options for both generators, with vLLM's names and meanings: "
+        "min_tokens, presence_penalty, frequency_penalty, stop_token_ids, allowed_token_ids, "
+        "bad_words, bad_words_ids, logit_bias. temperature, top_p, top_k, min_p, "
+        "repetition_penalty and max_new_tokens (max_tokens) set those flags. Beam search and "
+        "greedy decoding are refused: they are not samples of the policy.")
     num_generations_eval: int | None = arg(None, at_least(1),
         "Completions per prompt when evaluating (default: num_generations).")
     # RLOO
     beta: float = arg(0.05, at_least(0),
-        "KL coefficient: r = R - beta * sum_t (log pi_old - log pi_ref). 0: no reference model.")
+        "KL coefficient: r = R - beta * kl, kl summed over the completion's tokens. 0: no "
+        "reference model.")
+    kl_estimator: Literal["k1", "k3"] = arg("k1",
+        "Per-token KL estimate, d = log pi_old - log pi_ref: k1 = d (TRL's RLOO); k3 = exp(-d) - "
+        "1 + d (Schulman 2020): also unbiased, never negative, lower variance.")
     epsilon: float = arg(0.2, between(0, 1, high_open=True),
         "Lower clip range of the ratio rho (and upper one unless epsilon_high is set).")
     epsilon_high: float | None = arg(None, at_least(0),
@@ -246,6 +332,12 @@ class Config:
     vllm_enable_sleep_mode: bool = arg(False,
         "Colocate on GPU: free vLLM's weights and KV cache while training (sleep level 2); the "
         "push wakes the weights, sampling the KV cache.")
+    vllm_structured_outputs_regex: str | None = arg(None,
+        "vLLM: guided decoding, every completion matches this regex. Its log-probs are of the "
+        "masked distribution, so the KL's log pi_old comes from a forward of the policy.")
+    vllm_server_base_url: str | None = arg(None,
+        "Server mode: the server's URL (e.g. http://10.0.0.2:8000), instead of vllm_server_host "
+        "and vllm_server_port.")
     vllm_server_host: str = arg("127.0.0.1",
         "Server mode: host of the vLLM server.")
     vllm_server_port: int = arg(8000, between(1, 65535),
@@ -280,10 +372,22 @@ class Config:
         "AdamW peak learning rate.")
     lr_scheduler_type: str = arg("linear", SCHEDULERS,
         "transformers scheduler name: linear, cosine, constant, constant_with_warmup, ...")
+    lr_scheduler_kwargs: dict | str | None = arg(None, JSON_OBJECT,
+        'JSON dict of the scheduler\'s own arguments, e.g. \'{"min_lr_rate": 0.1}\' for '
+        "cosine_with_min_lr.")
     warmup_ratio: float = arg(0.0, between(0, 1),
         "Fraction of steps spent warming the learning rate up from 0.")
+    warmup_steps: float = arg(0, at_least(0),
+        "Steps spent warming the learning rate up from 0; below 1, a fraction of the run "
+        "(transformers 5's meaning). Give it or warmup_ratio.")
     weight_decay: float = arg(0.0, at_least(0),
         "AdamW weight decay.")
+    adam_beta1: float = arg(0.9, between(0, 1, high_open=True),
+        "AdamW beta1.")
+    adam_beta2: float = arg(0.999, between(0, 1, high_open=True),
+        "AdamW beta2.")
+    adam_epsilon: float = arg(1e-8, greater_than(0),
+        "AdamW epsilon.")
     max_grad_norm: float = arg(1.0, at_least(0),
         "Clip the global gradient norm to this (0: no clipping).")
     per_device_train_batch_size: int = arg(8, at_least(1),
@@ -293,7 +397,7 @@ class Config:
         "num_generations.")
     max_steps: int = arg(-1, STEPS,
         "Optimizer steps to run (-1: num_train_epochs over the dataset).")
-    num_train_epochs: float = arg(1.0, greater_than(0),
+    num_train_epochs: float = arg(3.0, greater_than(0),
         "Passes over the prompts, when max_steps is -1.")
     seed: int = arg(42, between(0, 2**32 - 1),
         "Seed of model init and prompt order; rank r samples with seed + r.")
@@ -321,13 +425,20 @@ class Config:
         "Log metrics averaged over this many optimizer steps.")
     output_dir: str = arg("runs/rloo",
         "Where metrics.jsonl, wandb files and the final Hugging Face model go.")
-    report_to: Literal["none", "wandb"] = arg("none",
-        "'wandb' also logs to Weights & Biases (WANDB_MODE=offline works without network).")
+    report_to: list[str] = arg(["none"], one_of("none", "wandb", "tensorboard"),
+        "Where else metrics go: wandb (Weights & Biases; WANDB_MODE=offline works without "
+        "network), tensorboard (event files in output_dir/runs), several, or none.")
     run_name: str | None = arg(None,
         "Run name for wandb.")
     log_completions: bool = arg(False,
-        "Every logging step, print a few (prompt, completion, rewards, advantage) rows (and a "
-        "wandb table).")
+        "Every logging step, print rank 0's (prompt, completion, rewards, advantage) rows (and a "
+        "wandb table), with the columns reward functions add through log_extra.")
+    num_completions_to_print: int | None = arg(None, at_least(0),
+        "With log_completions: rows printed (default: all of rank 0's batch).")
+    log_unique_prompts: bool = arg(False,
+        "With log_completions: the wandb table keeps one row per prompt.")
+    log_multimodal: bool = arg(True,
+        "With log_completions and images: the wandb table has an image column.")
     save_steps: int = arg(500, at_least(0),
         "Write a sharded checkpoint every this many optimizer steps (and at the end); 0: only at "
         "the end.")
@@ -352,12 +463,18 @@ EMBEDDED_PRESET = dict(
     per_device_train_batch_size=128, learning_rate=1e-3, lr_scheduler_type="constant", beta=0.02,
     max_steps=500, bf16=False, gradient_checkpointing=False, output_dir="runs/embedded",
     overwrite_output_dir=True)
+# ... and with --use_peft: the random tiny model's logits are near-uniform and the frozen (tied)
+# head bounds how sharp they can become, so a plain adapter stays at reward ~0.19 whatever its rank
+# or learning rate; training the head beside it (a copy, untied) learns like full fine-tuning.
+EMBEDDED_LORA_PRESET = dict(lora_target_modules=["all-linear"], lora_modules_to_save=["lm_head"],
+                            learning_rate=2e-3)
 
 # Truncated importance sampling's cap for stale batches (Yao et al. 2025, "Your efficient RL
 # framework secretly brings you off-policy RL training", C = 2): weights above it are rare with one
 # step of staleness and would mostly add variance.
 ASYNC_IMPORTANCE_SAMPLING_CAP = 2.0
-JSON_FIELDS = ("chat_template_kwargs", "model_init_kwargs", "generation_kwargs")
+JSON_FIELDS = ("chat_template_kwargs", "model_init_kwargs", "generation_kwargs",
+               "lr_scheduler_kwargs")
 DESCRIPTION = "RLOO fine-tuning of a causal language model: config, setup, the training loop."
 
 
@@ -366,20 +483,52 @@ def parse_config(argv=None):
     still win), JSON flags become dicts, async generation gets its importance-sampling cap."""
     argv = sys.argv[1:] if argv is None else argv
     preset = ", ".join(f"{k}={v}" for k, v in EMBEDDED_PRESET.items())
+    lora_preset = ", ".join(f"{k}={v}" for k, v in EMBEDDED_LORA_PRESET.items())
     parser = HfArgumentParser(Config, description=DESCRIPTION, epilog=(
-        "Without --model the embedded preset applies (flags still override it): " + preset))
+        f"Without --model the embedded preset applies (flags still override it): {preset}; with "
+        f"--use_peft also {lora_preset}"))
     # --help shows the defaults that hold with --model; the epilog lists the preset
     with_model = any(a == "--model" or a.startswith("--model=") for a in argv)
     if not with_model and not {"-h", "--help"} & set(argv):
         parser.set_defaults(**EMBEDDED_PRESET)
     (cfg,) = parser.parse_args_into_dataclasses(argv)
+    if not with_model and cfg.use_peft and not {"-h", "--help"} & set(argv):
+        parser.set_defaults(**EMBEDDED_LORA_PRESET)
+        (cfg,) = parser.parse_args_into_dataclasses(argv)
     check_flags(cfg)  # before converting: a JSON flag must be valid JSON
     for name in JSON_FIELDS:
         if isinstance(getattr(cfg, name), str):
             setattr(cfg, name, json.loads(getattr(cfg, name)))
+    if cfg.generation_kwargs:
+        cfg.generation_kwargs = generation_options(cfg, cfg.generation_kwargs)
+        check_flags(cfg)  # the flags it set
     if cfg.async_generation and cfg.vllm_importance_sampling_cap is None:
         cfg.vllm_importance_sampling_cap = ASYNC_IMPORTANCE_SAMPLING_CAP
     return cfg
+
+
+def generation_options(cfg, options):
+    """--generation_kwargs -> the options both generators implement (GENERATION_KWARGS); keys that
+    are flags set them, aliases are renamed, any other key stops the run with why."""
+    kept = {}
+    for key, value in options.items():
+        key = GENERATION_ALIASES.get(key, key)
+        if key in GENERATION_FLAGS:
+            setattr(cfg, GENERATION_FLAGS[key], value)
+        elif key in GENERATION_REFUSED:
+            fail(f"--generation_kwargs {key}: {GENERATION_REFUSED[key]}")
+        elif key == "do_sample" and value is False:
+            fail("--generation_kwargs do_sample=false: greedy decoding " + NOT_A_SAMPLE)
+        elif key not in GENERATION_KWARGS:
+            fail(f"--generation_kwargs {key}: not an option both generators implement; they are "
+                 f"{', '.join(GENERATION_KWARGS)} and the flags {', '.join(GENERATION_FLAGS)}")
+        elif not valid(value, *GENERATION_KWARGS[key]):
+            kind = GENERATION_KWARGS[key][0]
+            fail(f"--generation_kwargs {key}={json.dumps(value)}: must be "
+                 f"{getattr(kind, '__name__', kind)}")
+        elif key != "do_sample":
+            kept[key] = {int(k): v for k, v in value.items()} if key == "logit_bias" else value
+    return kept
 
 
 def check_flags(cfg):
@@ -394,11 +543,7 @@ def check_flags(cfg):
 def check_config(cfg, world_size=1):
     """Every invalid combination of flags, before anything loads (each flag alone passed its domain
     in parse_config). Checks only: it changes nothing."""
-    per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
-    if per_rank % cfg.num_generations:
-        fail(f"per_device_train_batch_size * gradient_accumulation_steps = {per_rank} completions "
-             f"per rank is not divisible by num_generations={cfg.num_generations}; a prompt's "
-             "group must stay on one rank")
+    check_batch_geometry(cfg, world_size)
     if not cfg.reward_funcs:
         fail("no reward function: pass --reward_funcs NAME [NAME ...]")
     if cfg.reward_weights is not None and len(cfg.reward_weights) != len(cfg.reward_funcs):
@@ -412,14 +557,71 @@ def check_config(cfg, world_size=1):
     if cfg.streaming and cfg.max_steps <= 0:
         fail("--streaming has no length to derive the number of steps from; set --max_steps")
     if cfg.eval_split and cfg.dataset is None:
-        fail(f"--eval_split {cfg.eval_split!r} names a split of --dataset, and there is none (the "
-             "embedded task has no eval split); pass --dataset or drop --eval_split")
+        fail(f"--eval_split {' '.join(cfg.eval_split)} names splits of --dataset, and there is "
+             "none (the embedded task has no eval split); pass --dataset or drop --eval_split")
+    check_eval(cfg)
+    check_logging(cfg)
+    if cfg.warmup_ratio and cfg.warmup_steps:
+        fail("give one of warmup_ratio and warmup_steps")
     if cfg.cpu_offload and world_size == 1:
         fail("cpu_offload shards with FSDP2 and needs torchrun with more than one process")
     if cfg.use_vllm:
         check_vllm(cfg, world_size)
+    elif cfg.vllm_structured_outputs_regex:
+        fail("--vllm_structured_outputs_regex is vLLM's guided decoding: add --use_vllm")
     check_model_options(cfg)
     check_async_and_dynamic(cfg)
+
+
+def check_batch_geometry(cfg, world_size):
+    """A generated batch per rank is per_device_train_batch_size * steps_per_generation completions
+    in whole groups, fed to the optimizer gradient_accumulation_steps micro-batches at a time."""
+    if cfg.steps_per_generation and cfg.generation_batch_size:
+        fail("give one of steps_per_generation and generation_batch_size (each sets the other)")
+    per_rank = cfg.per_device_train_batch_size * generation_steps(cfg, world_size)
+    if cfg.generation_batch_size and per_rank * world_size != cfg.generation_batch_size:
+        fail(f"generation_batch_size={cfg.generation_batch_size} is not a multiple of "
+             f"per_device_train_batch_size * {world_size} processes")
+    if generation_steps(cfg, world_size) % cfg.gradient_accumulation_steps:
+        fail(f"steps_per_generation={generation_steps(cfg, world_size)} is not a multiple of "
+             f"gradient_accumulation_steps={cfg.gradient_accumulation_steps}: an optimizer step "
+             "would mix two generated batches")
+    if per_rank % cfg.num_generations:
+        fail(f"per_device_train_batch_size * steps_per_generation = {per_rank} completions per "
+             f"rank is not divisible by num_generations={cfg.num_generations}; a prompt's group "
+             "must stay on one rank")
+
+
+def generation_steps(cfg, world_size=1):
+    """Micro-batches per generated batch: steps_per_generation, from generation_batch_size, or
+    gradient_accumulation_steps."""
+    if cfg.generation_batch_size:
+        return max(1, cfg.generation_batch_size // (cfg.per_device_train_batch_size * world_size))
+    return cfg.steps_per_generation or cfg.gradient_accumulation_steps
+
+
+def check_eval(cfg):
+    G = cfg.num_generations_eval or cfg.num_generations
+    if cfg.per_device_eval_batch_size and cfg.per_device_eval_batch_size % G:
+        fail(f"per_device_eval_batch_size={cfg.per_device_eval_batch_size} is not a multiple of "
+             f"num_generations_eval={G}: a prompt's completions are generated together")
+    names = [s.split("=")[0] for s in cfg.eval_dataset or []] + list(cfg.eval_split or [])
+    if len(set(names)) < len(names):
+        fail(f"eval sets {names} repeat a name; give each --eval_dataset NAME its own")
+
+
+def check_logging(cfg):
+    if "none" in cfg.report_to and len(cfg.report_to) > 1:
+        fail(f"--report_to {' '.join(cfg.report_to)}: none with others; drop none")
+    if "tensorboard" in cfg.report_to and importlib.util.find_spec("tensorboard") is None:
+        fail("--report_to tensorboard needs tensorboard: pip install tensorboard")
+    try:  # the scheduler takes its kwargs (built on a throwaway optimizer)
+        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)])
+        get_scheduler(cfg.lr_scheduler_type, optimizer, num_training_steps=10,
+                      num_warmup_steps=0, scheduler_specific_kwargs=cfg.lr_scheduler_kwargs)
+    except (TypeError, ValueError) as e:
+        fail(f"--lr_scheduler_type {cfg.lr_scheduler_type} with --lr_scheduler_kwargs "
+             f"{json.dumps(cfg.lr_scheduler_kwargs)}: {str(e).splitlines()[0]}")
 
 
 def check_vllm(cfg, world_size):
@@ -429,8 +631,14 @@ def check_vllm(cfg, world_size):
              "then pip uninstall -y torchvision torchaudio torchcodec")
     if cfg.vllm_importance_sampling_cap and not sampler_logps_exact(cfg):
         fail("vllm_importance_sampling_cap needs vLLM's log-probs of log_softmax(logits / T), "
-             "which vLLM cannot report with repetition_penalty, top_k, top_p or min_p set (and, in "
-             "server mode, at any temperature with them): drop those filters or the cap")
+             "which vLLM cannot report with repetition_penalty, top_k, top_p, min_p, "
+             "generation_kwargs other than stop_token_ids or a structured-outputs regex (and, in "
+             "server mode, at any temperature with them): drop those or the cap")
+    if cfg.vllm_server_base_url and cfg.vllm_mode != "server":
+        fail("--vllm_server_base_url is the address of a vLLM server: add --vllm_mode server")
+    if cfg.vllm_mode == "server" and (cfg.generation_kwargs or {}).get("bad_words_ids"):
+        fail("--generation_kwargs bad_words_ids: a vLLM server takes bad words as strings; give "
+             "bad_words instead")
     if cfg.vllm_enable_sleep_mode and not torch.cuda.is_available():
         fail("vllm_enable_sleep_mode needs a GPU: vLLM's CPU backend has no sleep mode")
     if cfg.vllm_mode == "colocate" and world_size % cfg.vllm_tensor_parallel_size:
@@ -446,8 +654,11 @@ def check_model_options(cfg):
              "--model")
     if cfg.use_peft and importlib.util.find_spec("peft") is None:
         fail("--use_peft needs peft: pip install peft")
-    if not cfg.use_peft and (cfg.load_in_4bit or cfg.lora_target_modules):
-        fail("load_in_4bit and lora_target_modules train a LoRA adapter: add --use_peft")
+    lora_only = [name for name in ("load_in_4bit", "lora_target_modules", "lora_target_parameters",
+                                   "lora_modules_to_save", "use_rslora", "use_dora")
+                 if getattr(cfg, name)]
+    if not cfg.use_peft and lora_only:
+        fail(f"{', '.join(lora_only)} configure a LoRA adapter: add --use_peft")
     if cfg.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
         fail("--load_in_4bit needs bitsandbytes: pip install bitsandbytes")
     if cfg.load_in_4bit and cfg.use_vllm:
@@ -469,7 +680,8 @@ def check_async_and_dynamic(cfg):
     if not sampler_logps_exact(cfg):
         fail("--async_generation corrects stale batches with the server's log-probs of "
              "log_softmax(logits / T), which vLLM cannot report with repetition_penalty, top_k, "
-             "top_p, min_p or those generation_kwargs: drop them")
+             "top_p, min_p, generation_kwargs other than stop_token_ids or a structured-outputs "
+             "regex: drop them")
     if cfg.dynamic_sampling:
         fail("--dynamic_sampling with --async_generation is not supported: its extra rounds would "
              "mix weights of different steps in one batch; use one of them")
@@ -497,10 +709,13 @@ def sampler_logps_exact(cfg, vision=False):
     if not cfg.use_vllm:
         return True
     extra = cfg.generation_kwargs if isinstance(cfg.generation_kwargs, dict) else {}
-    penalties = ("min_tokens", "presence_penalty", "frequency_penalty")
+    # every option but extra stop ids changes the logits vLLM's processed log-probs are taken from
+    shaped = [k for k in GENERATION_KWARGS if k != "stop_token_ids" and extra.get(k)]
     plain = (cfg.repetition_penalty == 1.0 and not cfg.top_k and cfg.top_p >= 1.0
-             and cfg.min_p is None and not any(extra.get(k) for k in penalties))
-    raw = cfg.vllm_mode == "colocate" and vllm_logprobs_mode(cfg, vision) == "raw_logprobs"
+             and cfg.min_p is None and not shaped and not cfg.vllm_structured_outputs_regex)
+    # guided decoding masks the logits before vLLM's sampler sees them: raw ones too
+    raw = (cfg.vllm_mode == "colocate" and vllm_logprobs_mode(cfg, vision) == "raw_logprobs"
+           and not cfg.vllm_structured_outputs_regex)
     return plain or raw
 
 

@@ -14,7 +14,7 @@ import torch
 
 import distributed
 import rollout
-from config import fail
+from config import fail, generation_steps
 
 
 def embedded_task(seed, num_rows=4096):
@@ -68,14 +68,15 @@ def check_images(dataset, cfg):
 DATA_FILE_TYPES = (".json", ".jsonl", ".parquet", ".csv")
 
 
-def load_data(cfg, split, streaming=None):
+def load_data(cfg, split, streaming=None, path=None):
     """Any `datasets` source: a Hub name, a save_to_disk directory, a data directory or a
     json/jsonl/parquet/csv file. Streaming gives an IterableDataset (no length, rows read as
     training goes). A source that does not load is one line naming it (and, for a file that is not
     UTF-8, the byte offset)."""
     import datasets
 
-    path, streaming = cfg.dataset, cfg.streaming if streaming is None else streaming
+    path = cfg.dataset if path is None else path
+    streaming = cfg.streaming if streaming is None else streaming
     if not os.path.exists(path) and (os.path.splitext(path)[1] in DATA_FILE_TYPES
                                      or path.startswith((".", "/"))):
         fail(f"dataset file {path!r} does not exist (looked from {os.getcwd()!r}); check the path")
@@ -215,25 +216,35 @@ def check_prompt_lengths(prompts, tokenizer, model, cfg, where):
 
 
 def load_datasets(cfg):
-    """(train dataset or None for the embedded task, eval dataset or None, vision): the data is
-    loaded before any model because it is cheaper to find out it is wrong. Image columns make it a
-    vision-language run. An eval split is loaded whole even with --streaming (evaluation goes
-    through all of it)."""
+    """(train dataset or None for the embedded task, {name: eval set}, vision): the data is loaded
+    before any model because it is cheaper to find out it is wrong. Image columns make it a
+    vision-language run. Eval sets are loaded whole even with --streaming (evaluation goes through
+    all of each): the splits of --eval_split, named by split, then each --eval_dataset
+    NAME=SOURCE[@SPLIT]."""
     if cfg.model is not None and cfg.dataset is None:
         fail("--model needs --dataset (a dataset with a 'prompt' column)")
     dataset = load_data(cfg, cfg.dataset_split) if cfg.dataset is not None else None
-    eval_dataset = load_data(cfg, cfg.eval_split,
-                             streaming=False) if cfg.eval_split and cfg.dataset else None
-    for where, split in (("dataset", dataset), ("eval split", eval_dataset)):
-        if split is not None and hasattr(split, "__len__"):
-            check_prompts(split["prompt"], where)
+    eval_sets = {split: load_data(cfg, split, streaming=False) for split in cfg.eval_split or []}
+    for named in cfg.eval_dataset or []:
+        name, _, source = named.partition("=")
+        source, _, split = source.rpartition("@") if "@" in source else (source, "", "train")
+        eval_sets[name] = load_data(cfg, split, streaming=False, path=source)
+    if hasattr(dataset, "__len__"):  # a stream's rows are checked as they are drawn
+        check_prompts(dataset["prompt"], "dataset")
+    for name, split in eval_sets.items():
+        check_prompts(split["prompt"], eval_where(cfg, name))
     vision = dataset is not None and bool({"image", "images"} & set(dataset.column_names
                                                                     or next(iter(dataset))))
     if vision:
         check_images(dataset, cfg)
     if vision and cfg.model is None:
         fail("the dataset has images: pass --model with a vision-language model")
-    return dataset, eval_dataset, vision
+    return dataset, eval_sets, vision
+
+
+def eval_where(cfg, name):
+    """How an error names an eval set."""
+    return f"eval {'split' if name in (cfg.eval_split or []) else 'set'} {name!r}"
 
 
 def check_data(dataset, tokenizer, processor, model, cfg, where="dataset"):
@@ -249,16 +260,18 @@ def check_data(dataset, tokenizer, processor, model, cfg, where="dataset"):
     needed = prompts_per_rank(cfg) * distributed.world_size()
     if where == "dataset" and len(dataset) < needed:
         fail(f"dataset has {len(dataset)} rows but one step needs {needed} prompts; "
-             "lower per_device_train_batch_size or gradient_accumulation_steps")
+             "lower per_device_train_batch_size or steps_per_generation")
 
 
 def prompts_per_rank(cfg):
-    """P: prompts per rank per step; each gets G completions, B = P * G of them per rank."""
-    return cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // cfg.num_generations
+    """P: prompts per rank per generated batch; each gets G completions, B = P * G of them per
+    rank: per_device_train_batch_size * steps_per_generation."""
+    B = cfg.per_device_train_batch_size * generation_steps(cfg, distributed.world_size())
+    return B // cfg.num_generations
 
 
 def steps_per_epoch(dataset, cfg):
-    """Generation steps in one pass over the prompts (None for a stream, which has no length)."""
+    """Generated batches in one pass over the prompts (None for a stream, which has no length)."""
     if not hasattr(dataset, "__len__"):
         return None
     return len(dataset) // (prompts_per_rank(cfg) * distributed.world_size())

@@ -66,6 +66,11 @@ def rank():
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def local_rank():
+    """The process's rank on its node (torchrun's LOCAL_RANK)."""
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
 def world_size():
     return dist.get_world_size() if dist.is_initialized() else 1
 
@@ -94,6 +99,15 @@ def gather(columns):
         dist.all_gather(parts, tensor.contiguous())
         gathered[name] = torch.cat(parts, -1)
     return gathered
+
+
+def gather_objects(obj):
+    """Any picklable object from every rank, in rank order (names only some ranks know)."""
+    if world_size() == 1:
+        return [obj]
+    objects = [None] * world_size()
+    dist.all_gather_object(objects, obj)
+    return objects
 
 
 def reduce_sums(sums):

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 import distributed
 from rloo import combine_rewards
-from rollout import repeat_each
+from rollout import repeat_each, row_images
 
 
 @contextmanager
@@ -85,10 +85,23 @@ def batch_metrics(cfg, batch, scores, rewards, timings):
     columns["rewards_per_func"] = columns["rewards_per_func"].T  # [world * B, K]
     weights = rewards.weights.to(columns["rewards"].device)
     metrics = generation_metrics(columns, rewards.names, weights, cfg.num_generations)
-    metrics.update({**timings, **batch.timings, **scores.timings})
+    metrics.update({**timings, **batch.timings, **scores.timings,
+                    **logged_metrics(batch.logged_metrics)})
     generated = columns["lengths"].sum().item()
     metrics["tokens_per_second/generation"] = generated / timings["time/generation"]
     return metrics, columns["tokens"].sum().item()
+
+
+def logged_metrics(logged):
+    """What reward functions logged with log_metric on one batch ({name: [values]} on each rank):
+    for each name, the mean over every call on every rank (TRL's). Every rank takes part, whether
+    or not its functions logged."""
+    totals = {}
+    for rank_logged in distributed.gather_objects({k: (sum(v), len(v)) for k, v in logged.items()}):
+        for name, (total, count) in rank_logged.items():
+            previous = totals.get(name, (0.0, 0))
+            totals[name] = (previous[0] + total, previous[1] + count)
+    return {name: total / count for name, (total, count) in sorted(totals.items())}
 
 
 def step_metrics(sums, grad_norm, scheduler, timings, batch_tokens):
@@ -100,8 +113,13 @@ def step_metrics(sums, grad_norm, scheduler, timings, batch_tokens):
                "clip_ratio/low_mean": sums["clipped_low"] / sequences,
                "clip_ratio/high_mean": sums["clipped_high"] / sequences,
                "clip_ratio/region_mean": clipped / sequences,
+               # TRL's min / max over the step's per-sequence 0/1 clip flags
+               "clip_ratio/low_min": float(sums["clipped_low"] == sequences),
+               "clip_ratio/high_max": float(sums["clipped_high"] > 0),
                "nonfinite_skipped": float(not torch.isfinite(grad_norm)), **timings,
                "tokens_per_second/training": batch_tokens / timings["time/training"]}
+    if "aux_loss" in sums:  # MoE: the router's load-balancing loss, before its coefficient
+        metrics["aux_loss"] = sums["aux_loss"] / sequences
     if "sampler_drift" in sums:
         metrics["sampling/sampling_logp_difference/mean"] = sums["sampler_drift"] / tokens
     if "is_weight" in sums:  # truncated importance sampling (TRL's names)
@@ -111,27 +129,37 @@ def step_metrics(sums, grad_norm, scheduler, timings, batch_tokens):
     return metrics
 
 
-def completions_table(step, batch, scores, rewards):
-    """--log_completions: (columns, rows) of (step, prompt, completion, each reward, advantage)."""
+def completions_table(step, batch, scores, rewards, log_multimodal=True):
+    """--log_completions: (columns, rows) of (step, prompt, completion, each reward, the columns
+    reward functions added with log_extra, advantage, and with images the row's first image)."""
     G = len(batch.completion_lists) // len(batch.rows["prompt"])
     prompts = repeat_each(batch.rows["prompt"], G)
-    table = [[step, p, c, *r, a] for p, c, r, a in zip(prompts, batch.texts,
+    extra = batch.logged_columns
+    images = [None] * len(prompts)
+    if log_multimodal and batch.pixel_inputs is not None:
+        images = [row[0] if row else None for row in repeat_each(row_images(batch.rows), G)]
+    with_images = any(image is not None for image in images)
+    table = [[step, p, c, *r, *(extra[k][i] for k in extra), a, *([im] if with_images else [])]
+             for i, (p, c, r, a, im) in enumerate(zip(prompts, batch.texts,
                                                        scores.rewards_per_func.tolist(),
-                                                       scores.advantages.tolist())]
-    return ["step", "prompt", "completion", *rewards.names, "advantage"], table
+                                                       scores.advantages.tolist(), images))]
+    columns = ["step", "prompt", "completion", *rewards.names, *extra, "advantage"]
+    return columns + (["image"] if with_images else []), table
 
 
 class Logger:
     """Rank 0 writes metrics.jsonl, a progress bar and wandb; other ranks get the same calls as
     no-ops."""
 
-    def __init__(self, cfg, total_steps, state):
+    def __init__(self, cfg, total_steps, state, steps_per_epoch=None):
         """state: where the run starts (checkpoint.TrainerState); resuming restores its metric
         window and keeps the lines of metrics.jsonl up to its step, dropping those an interrupted
-        run wrote after it."""
+        run wrote after it. steps_per_epoch (None for a stream) gives the epoch metric."""
         self.is_main, self.window = distributed.is_main(), state.window
-        self.wandb, self.reward = None, math.nan
+        self.wandb, self.tensorboard, self.reward = None, None, math.nan
+        self.printed, self.unique_prompts = cfg.num_completions_to_print, cfg.log_unique_prompts
         self.logging_steps, self.total_steps = cfg.logging_steps, total_steps
+        self.steps_per_epoch = steps_per_epoch
         self.step_end = time.perf_counter()  # step_time: wall time between optimizer-step ends
         if not self.is_main:
             return
@@ -146,11 +174,14 @@ class Logger:
         self.jsonl.writelines(kept)
         self.bar = tqdm(total=total_steps, initial=resumed_step or 0, desc="rloo",
                         dynamic_ncols=True)
-        if cfg.report_to == "wandb":
+        if "wandb" in cfg.report_to:
             import wandb
             self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "rloo"),
                                     name=cfg.run_name,
                                     config=asdict(cfg), dir=cfg.output_dir)
+        if "tensorboard" in cfg.report_to:  # where the Hugging Face Trainer writes them
+            from torch.utils.tensorboard import SummaryWriter
+            self.tensorboard = SummaryWriter(os.path.join(cfg.output_dir, "runs"))
 
     def add_step(self, metrics):
         """One optimizer step's metrics into the window, with step_time, and the progress bar one
@@ -179,6 +210,8 @@ class Logger:
         means = {k: (sum(v) / len(v) if v else None) for k, v in
                  ((k, [x for x in vs if not math.isnan(x)]) for k, vs in self.window.items())}
         means.update(totals)
+        if self.steps_per_epoch:  # as the Hugging Face Trainer logs it: passes over the prompts
+            means["epoch"] = step / self.steps_per_epoch
         self.window = {}
         self.write(step, means)
         return means
@@ -196,18 +229,30 @@ class Logger:
                                                    for name, value in values if value is not None))
         if self.wandb:
             self.wandb.log({k: v for k, v in metrics.items() if v is not None}, step=step)
+        if self.tensorboard:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)):
+                    self.tensorboard.add_scalar(k, v, step)
+            self.tensorboard.flush()
 
     def completions(self, step, columns, rows):
-        """--log_completions: a few rows to stdout, and the table to wandb."""
+        """--log_completions: num_completions_to_print rows to stdout (all by default), and the
+        table to wandb (one row per prompt with log_unique_prompts; images as wandb images)."""
         if not self.is_main:
             return
         self.bar.write(f"step {step} completions:")
-        for row in rows[:4]:
+        for row in rows[:self.printed]:
             cells = [f"{c}={v:.3g}" if isinstance(v, float) else f"{c}={v!r}"
-                     for c, v in zip(columns, row)]
+                     for c, v in zip(columns, row) if c != "image"]
             self.bar.write("  " + " | ".join(cells))
         if self.wandb:
             import wandb
+            if self.unique_prompts:  # the first completion of each prompt
+                firsts = {str(row[1]): row for row in reversed(rows)}
+                rows = [row for row in rows if firsts[str(row[1])] is row]
+            if "image" in columns:
+                rows = [row[:-1] + [None if row[-1] is None else wandb.Image(row[-1])]
+                        for row in rows]
             self.wandb.log({"completions": wandb.Table(columns=columns, data=rows)}, step=step)
 
     def close(self):
@@ -216,6 +261,8 @@ class Logger:
             self.jsonl.close()
             if self.wandb:
                 self.wandb.finish()
+            if self.tensorboard:
+                self.tensorboard.close()
 
 
 def show_samples(title, batch, scores, G, n=3):

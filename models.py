@@ -170,7 +170,24 @@ def make_optimizer(model, cfg):
     groups = [{"params": [p for name, p in params if not NO_DECAY.search(name)],
                "weight_decay": cfg.weight_decay},
               {"params": [p for name, p in params if NO_DECAY.search(name)], "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.learning_rate, fused=True)
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.learning_rate, fused=True,
+                             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
+
+
+def router_aux_coef(cfg, model):
+    """Mixture-of-experts models whose forward computes the router's load-balancing loss
+    (output_router_logits; Fedus et al. 2021, Switch Transformer eq. 4): its weight in the loss,
+    --router_aux_loss_coef or the model config's. 0 for every other model (GLM-4-MoE balances
+    its experts without one)."""
+    text = model.config.get_text_config()
+    has_loss = hasattr(text, "output_router_logits") and hasattr(text, "router_aux_loss_coef")
+    if cfg.router_aux_loss_coef and not has_loss:
+        fail(f"--router_aux_loss_coef {cfg.router_aux_loss_coef}: this model "
+             f"({type(text).__name__}) computes no router load-balancing loss; drop the flag")
+    if not has_loss:
+        return 0.0
+    return text.router_aux_loss_coef if cfg.router_aux_loss_coef is None else \
+        cfg.router_aux_loss_coef
 
 
 @torch.no_grad()

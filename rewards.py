@@ -2,10 +2,14 @@
 
 Interface (same as TRL's GRPOTrainer/RLOOTrainer; README 'Writing a reward function'): a reward
 function is called as
-    f(prompts=[...], completions=[...], completion_ids=[...], **dataset_columns, **extra)
+    f(prompts=[...], completions=[...], completion_ids=[...], **dataset_columns, step=...,
+      trainer_state=..., log_extra=..., log_metric=...)
 with one entry per completion (each prompt repeated G times) and returns a list of float | None of
 the same length. None means "does not apply to this completion". `async def` functions run
-concurrently.
+concurrently. As in TRL, trainer_state is a transformers.TrainerState (global_step, max_steps,
+epoch, ...), log_extra(column, values) adds a column of one value per completion to the
+completions table, and log_metric(name, value) logs a scalar: the mean over the step's calls on
+all ranks.
 """
 
 import asyncio
@@ -22,7 +26,9 @@ import threading
 import traceback
 
 import torch
+from transformers import TrainerState
 
+import distributed
 from config import fail
 from models import prepare_model
 from rollout import is_conversational, repeat_each
@@ -373,26 +379,57 @@ def raise_if_error(result):
 
 class RewardFunctions:
     """The run's reward functions, loaded once (--reward_funcs): each callable, its metric name, its
-    weight w_k of R = sum_k w_k R_k (--reward_weights, or 1.0 each) and the time it may take."""
+    weight w_k of R = sum_k w_k R_k (--reward_weights, or 1.0 each) and the time it may take.
+    max_steps and steps_per_epoch (optimizer steps; None for a stream) fill trainer_state."""
 
-    def __init__(self, funcs, weights=None, timeout=None):
-        self.funcs, self.timeout = funcs, timeout
+    def __init__(self, funcs, weights=None, timeout=None, cfg=None):
+        self.funcs, self.timeout, self.cfg = funcs, timeout, cfg
         self.names = [reward_name(f) for f in funcs]
         self.weights = torch.tensor(weights or [1.0] * len(funcs))  # [K]
+        self.max_steps, self.steps_per_epoch = 0, None
+
+    def trainer_state(self, step):
+        """TRL's trainer_state argument: the fields of transformers.TrainerState a run has."""
+        epoch = step / self.steps_per_epoch if self.steps_per_epoch else None
+        cfg = self.cfg
+        return TrainerState(
+            global_step=step, max_steps=self.max_steps, epoch=epoch,
+            num_train_epochs=cfg and cfg.num_train_epochs, logging_steps=cfg and cfg.logging_steps,
+            eval_steps=cfg and cfg.eval_steps, save_steps=cfg and cfg.save_steps,
+            train_batch_size=cfg and cfg.per_device_train_batch_size,
+            is_local_process_zero=distributed.local_rank() == 0,
+            is_world_process_zero=distributed.is_main())
 
     def __call__(self, rollout, G, step):
         """The functions on a Rollout's B = P*G completions: each prompt and dataset column repeated
         G times; conversational prompts get [{"role": "assistant", "content": text}] completions.
-        -> [B, K], NaN where a function returned None. A failure stops the run with one line."""
+        What they log goes to rollout.logged_columns and rollout.logged_metrics. -> [B, K], NaN
+        where a function returned None. A failure stops the run with one line."""
         prompts = repeat_each(rollout.rows["prompt"], G)
         completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
                        for p, t in zip(prompts, rollout.texts)]
         columns = {c: repeat_each(v, G) for c, v in rollout.rows.items() if c != "prompt"}
+        logged = {}  # column -> values, one per completion
+
+        def log_extra(column, values):
+            values = list(values)
+            if len(values) != len(completions):
+                raise ValueError(f"log_extra({column!r}, ...) got {len(values)} values for "
+                                 f"{len(completions)} completions: give one per completion")
+            logged[str(column)] = values
+
+        def log_metric(name, value):
+            value = float(value)  # a tensor or number; TypeError/ValueError name the function
+            rollout.logged_metrics.setdefault(str(name), []).append(value)
+
         try:
             rewards = compute_rewards(self.funcs, prompts, completions, rollout.completion_lists,
-                                      columns, self.timeout, step=step)
+                                      columns, self.timeout, step=step,
+                                      trainer_state=self.trainer_state(step),
+                                      log_extra=log_extra, log_metric=log_metric)
         except RewardError as e:
             fail(f"{e}. Checkpoints already written are intact")
+        rollout.logged_columns.update(logged)
         return rewards.to(rollout.completion_mask.device)
 
 
@@ -406,4 +443,4 @@ def load_rewards(cfg, device):
             funcs.append(load_reward_func(spec, place, device, cfg.max_completion_length))
         except ValueError as e:
             fail(str(e))
-    return RewardFunctions(funcs, cfg.reward_weights, cfg.reward_timeout)
+    return RewardFunctions(funcs, cfg.reward_weights, cfg.reward_timeout, cfg)

@@ -32,10 +32,17 @@ def token_logps_and_entropy(logits, token_ids, temperature=1.0, chunk_elements=2
     return picked - torch.cat(logsumexp), torch.cat(entropy)
 
 
-def sequence_kl(logps, ref_logps, mask):
-    """k1 estimator summed over completion tokens:
-    kl_i = sum_t (log pi_old(o_t) - log pi_ref(o_t)).  [B]"""
-    return ((logps - ref_logps) * mask).sum(-1)
+def sequence_kl(logps, ref_logps, mask, estimator="k1"):
+    """KL(pi_old || pi_ref) of each completion, a per-token estimate summed over its tokens, with
+    d_t = log pi_old(o_t) - log pi_ref(o_t) and o_t ~ pi_old (Schulman 2020, "Approximating KL
+    divergence"):
+        k1 = d_t                    (TRL's RLOO; unbiased, negative on some tokens)
+        k3 = exp(-d_t) - 1 + d_t    (unbiased too, since E[exp(-d)] = 1; >= 0, lower variance)
+    logps, ref_logps, mask [B, T] -> [B]"""
+    d = logps - ref_logps
+    if estimator == "k3":  # the clamp keeps exp finite on masked or extreme tokens
+        d = torch.exp(-d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)) - 1 + d
+    return (d * mask).sum(-1)
 
 
 def combine_rewards(rewards_per_func, weights, clip_range=None):

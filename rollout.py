@@ -63,6 +63,9 @@ class Rollout:
     suppressed_ids: torch.Tensor | None = None  # image placeholders the sampler never emits
     rewards_per_func: torch.Tensor | None = None  # [B, K] when dynamic sampling scored it already
     timings: dict = field(default_factory=dict)  # seconds spent inside generation, e.g. the push
+    # what reward functions logged (TRL's log_extra, log_metric): column -> B values, name -> values
+    logged_columns: dict = field(default_factory=dict)
+    logged_metrics: dict = field(default_factory=dict)
 
     def take(self, index):
         """The completions at index (a list of row numbers) as a Rollout of their own; rows keeps
@@ -79,6 +82,8 @@ class Rollout:
                 value = [value[i] for i in index]
             values[f.name] = value
         values["rows"] = {k: [v[i // G] for i in prompts] for k, v in self.rows.items()}
+        values["logged_columns"] = {k: [v[i] for i in index]
+                                    for k, v in self.logged_columns.items()}
         values["timings"] = {}
         return Rollout(**values)
 
@@ -90,6 +95,12 @@ def concat(rollouts, pad_id):
         parts = [getattr(r, f.name) for r in rollouts]
         if f.name == "rows":
             values[f.name] = {k: [v for p in parts for v in p[k]] for k in parts[0]}
+        elif f.name in ("logged_columns", "logged_metrics"):  # a column some parts lack: None
+            sizes = [len(r.completion_lists) if f.name == "logged_columns" else 0
+                     for r in rollouts]
+            keys = dict.fromkeys(k for p in parts for k in p)
+            values[f.name] = {k: [v for p, n in zip(parts, sizes) for v in p.get(k, [None] * n)]
+                              for k in keys}
         elif isinstance(parts[0], list):
             values[f.name] = [v for p in parts for v in p]
         elif isinstance(parts[0], torch.Tensor) and parts[0].dim() == 2:
@@ -261,7 +272,7 @@ def generate(model, tokenizer, rows, cfg, device, processor=None, seed=None):
     samples of text models are a function of seed and of each row (None: drawn from torch's RNG),
     so decoding in chunks of --generation_chunk_size rows gives the samples of one call."""
     G, pad_id = cfg.num_generations, tokenizer.pad_token_id
-    eos_ids = eos_token_ids(tokenizer, model, cfg)
+    eos_ids, cfg = eos_token_ids(tokenizer, model, cfg), with_bad_word_ids(cfg, tokenizer)
     images = row_images(rows) if processor is not None else None
     if images is None:
         ids = tokenize_prompts(tokenizer, rows["prompt"], cfg.chat_template_kwargs)
@@ -337,10 +348,18 @@ def unsharded(model):
 
 
 def sampling_processors(cfg, prompt_ids, eos_ids):
-    """HF's own penalty and filters, in HF generate's order (vLLM's: penalties, temperature,
-    filters); applied to the logits after log pi_T is recorded. A model's shipped generation_config
-    (e.g. top_k=20) adds none of its own, so it cannot silently change the sampling."""
+    """--generation_kwargs' options in vLLM's order (allowed tokens, bad words, logit bias, min
+    tokens, penalties), then HF's own penalty and filters in HF generate's order (vLLM's:
+    penalties, temperature, filters); applied to the logits after log pi_T is recorded. A model's
+    shipped generation_config (e.g. top_k=20) adds none of its own, so it cannot silently change
+    the sampling. Bad words are token ids here (with_bad_word_ids)."""
     extra, processors, prompt_length = cfg.generation_kwargs or {}, [], prompt_ids.shape[1]
+    if extra.get("allowed_token_ids"):
+        processors.append(allowed_only(extra["allowed_token_ids"]))
+    if extra.get("bad_words_ids"):
+        processors.append(ban_sequences(prompt_length, extra["bad_words_ids"]))
+    if extra.get("logit_bias"):
+        processors.append(logit_bias(extra["logit_bias"]))
     if extra.get("min_tokens"):
         processors.append(MinNewTokensLengthLogitsProcessor(prompt_length, extra["min_tokens"],
                                                             eos_ids, prompt_ids.device))
@@ -358,6 +377,83 @@ def sampling_processors(cfg, prompt_ids, eos_ids):
     if cfg.min_p is not None:
         processors.append(MinPLogitsWarper(cfg.min_p))
     return processors
+
+
+def allowed_only(allowed):
+    """vLLM's allowed_token_ids: every other token gets probability 0."""
+    def mask(ids, scores):
+        banned = torch.ones(scores.shape[-1], dtype=torch.bool, device=scores.device)
+        banned[allowed] = False
+        return scores.masked_fill(banned, float("-inf"))
+    return mask
+
+
+def ban_sequences(prompt_length, sequences):
+    """vLLM's bad words, as token ids: a token that would complete one of the sequences at the end
+    of the completion so far (the prompt is not looked at) gets probability 0."""
+    def ban(ids, scores):
+        completion, hits = ids[:, prompt_length:], []
+        for *prefix, last in sequences:
+            if len(prefix) > completion.shape[1]:
+                continue
+            tail = completion[:, completion.shape[1] - len(prefix):]
+            hit = (tail == torch.tensor(prefix, device=ids.device)).all(-1)  # [B]
+            hits.append((hit, last))
+        for hit, last in hits:
+            scores = scores.index_put((hit.nonzero()[:, 0], torch.tensor(last, device=ids.device)),
+                                      torch.tensor(float("-inf"), device=ids.device))
+        return scores
+    return ban
+
+
+def logit_bias(bias):
+    """vLLM's (and OpenAI's) logit_bias: z_v += bias[v]."""
+    def add(ids, scores):
+        index = torch.tensor(list(bias), device=scores.device)
+        values = torch.tensor(list(bias.values()), dtype=scores.dtype, device=scores.device)
+        return scores.index_add(-1, index, values.expand(len(scores), -1))
+    return add
+
+
+def bad_word_ids(tokenizer, words):
+    """vLLM's tokenization of bad_words (SamplingParams.update_from_tokenizer): each word without
+    and, where that gives another first token of the same length, with a leading space."""
+    sequences = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not plain:
+            fail(f"--generation_kwargs bad_words: {word!r} is no token of this tokenizer")
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        sequences.append(plain)
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            sequences.append(spaced)
+    return sequences
+
+
+def with_bad_word_ids(cfg, tokenizer):
+    """cfg with generation_kwargs' bad_words turned into token ids, beside bad_words_ids."""
+    extra = cfg.generation_kwargs or {}
+    if not extra.get("bad_words"):
+        return cfg
+    ids = extra.get("bad_words_ids", []) + bad_word_ids(tokenizer, extra["bad_words"])
+    options = {**{k: v for k, v in extra.items() if k != "bad_words"}, "bad_words_ids": ids}
+    return dataclasses.replace(cfg, generation_kwargs=options)
+
+
+def check_token_ids(cfg, model, tokenizer):
+    """Token ids in --generation_kwargs exist in the model's vocabulary, and a bad word is at
+    least one token (at start-up)."""
+    vocab, extra = model.config.get_text_config().vocab_size, cfg.generation_kwargs or {}
+    bad_word_ids(tokenizer, extra.get("bad_words", []))
+    named = {"stop_token_ids": extra.get("stop_token_ids", []),
+             "allowed_token_ids": extra.get("allowed_token_ids", []),
+             "logit_bias": list(extra.get("logit_bias", {})),
+             "bad_words_ids": [i for ids in extra.get("bad_words_ids", []) for i in ids]}
+    for key, ids in named.items():
+        outside = [i for i in ids if not 0 <= i < vocab]
+        if outside:
+            fail(f"--generation_kwargs {key}: token ids {outside[:5]} are not in the model's "
+                 f"vocabulary of {vocab}")
 
 
 def completion_penalties(prompt_length, presence, frequency):
@@ -562,20 +658,27 @@ def micro_batches(batch_size, micro_size):
     return [slice(i, i + micro_size) for i in range(0, batch_size, micro_size)]
 
 
-def forward_logps(model, batch, rows, temperature, chunked=None):
+def forward_logps(model, batch, rows, temperature, chunked=None, router_aux=False, pad_to=None):
     """Per-token log pi_T and entropy of the completion tokens of batch[rows] (a Rollout), padding
     trimmed to these rows. Position ids follow the left padding (as in generate); the head runs on
     completion positions only, in chunks through LogpsHead (chunked=False: the model's own head, for
     models that transform their logits). Vision-language rows also pass their pixel inputs; models
     with multimodal rotary positions (Qwen2-VL's get_rope_index) derive the positions themselves.
-    -> logps [b, T], entropy [b, T], T"""
+    router_aux: also the MoE router's load-balancing loss (the model computes it from its router
+    logits, padding excluded). pad_to: the sequence is padded on the right (masked) to a multiple
+    of it, which changes no log-prob. -> logps [b, T], entropy [b, T], T, aux loss or None"""
     prompt_mask, completion_mask = batch.prompt_mask[rows], batch.completion_mask[rows]
     prompt_len, completion_len = int(prompt_mask.sum(-1).max()), int(completion_mask.sum(-1).max())
+    width = completion_len  # completion positions in the forward
+    if pad_to:
+        width = -(-(prompt_len + completion_len) // pad_to) * pad_to - prompt_len
     prompt_ids = batch.prompt_ids[rows, -prompt_len:]
-    completion_ids = batch.completion_ids[rows, :completion_len]
+    completion_ids = F.pad(batch.completion_ids[rows, :completion_len],
+                           (0, width - completion_len))
     input_ids = torch.cat([prompt_ids, completion_ids], 1)  # [b, L+T]
     attention_mask = torch.cat([prompt_mask[:, -prompt_len:],
-                                completion_mask[:, :completion_len]], 1)
+                                F.pad(completion_mask[:, :completion_len],
+                                      (0, width - completion_len))], 1)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     pixel_inputs = {}
     if batch.pixel_inputs is not None:  # the processor left-pads these rows to the same prompt_len
@@ -589,11 +692,16 @@ def forward_logps(model, batch, rows, temperature, chunked=None):
             position_ids = None
     head = LogpsHead(completion_ids, temperature, batch.suppressed_ids)
     chunked = plain_head(model) if chunked is None else chunked
+    if router_aux:
+        pixel_inputs["output_router_logits"] = True
     with swapped_head(model, head) if chunked else nullcontext():
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                    logits_to_keep=completion_len + 1, use_cache=False, **pixel_inputs).logits
-    per_token = out if chunked else head.score(out[:, :-1], completion_ids)  # [b, T, 2]
-    return per_token[..., 0], per_token[..., 1], completion_len
+                    logits_to_keep=width + 1, use_cache=False, **pixel_inputs)
+    logits = out.logits
+    per_token = logits if chunked else head.score(logits[:, :-1], completion_ids)  # [b, T, 2]
+    per_token = per_token[:, :completion_len]
+    aux = out.aux_loss if router_aux else None
+    return per_token[..., 0], per_token[..., 1], completion_len, aux
 
 
 # fp32 elements of one chunk's logits in LogpsHead (64 MB)
@@ -673,7 +781,8 @@ def batch_logps(model, batch, cfg):
     model.eval()
     logps = torch.zeros(batch.completion_ids.shape, device=batch.completion_ids.device)
     for mb in micro_batches(len(logps), cfg.per_device_train_batch_size):
-        mb_logps, _, T = forward_logps(model, batch, mb, cfg.temperature)
+        mb_logps, _, T, _ = forward_logps(model, batch, mb, cfg.temperature,
+                                          pad_to=cfg.pad_to_multiple_of)
         logps[mb, :T] = mb_logps
     model.train(was_training)
     return logps

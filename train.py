@@ -43,10 +43,11 @@ import models  # noqa: E402
 import rollout  # noqa: E402
 import vllm_rollout  # noqa: E402
 from batches import BatchSource  # noqa: E402
+from evaluation import eval_config, evaluate  # noqa: E402
 from config import EMBEDDED_PRESET, Config, check_config, fail, parse_config  # noqa: E402, F401
-from config import low_precision, sampler_logps_exact  # noqa: E402
-from metrics import (Logger, batch_metrics, completions_table, generation_metrics,  # noqa: E402
-                     show_samples, step_metrics, timed)
+from config import generation_steps, low_precision, sampler_logps_exact  # noqa: E402
+from metrics import (Logger, batch_metrics, completions_table, show_samples,  # noqa: E402
+                     step_metrics, timed)
 from rewards import load_rewards  # noqa: E402
 from rloo import (combine_rewards, has_baseline, normalize_advantages,  # noqa: E402
                   rloo_advantages, rloo_loss, sequence_kl)
@@ -56,7 +57,7 @@ from rloo import (combine_rewards, has_baseline, normalize_advantages,  # noqa: 
 # Setup: models, the generator, the number of steps
 # ---------------------------------------------------------------------------------------------
 
-def load_models(cfg, dataset, eval_dataset, vision, device):
+def load_models(cfg, dataset, eval_sets, vision, device):
     """Policy (with --use_peft: with a LoRA adapter), frozen reference (only when beta > 0, and not
     with LoRA, whose reference is the policy with its adapter off), tokenizer and, for a
     vision-language run, the processor (it owns the chat template and the image processor). Without
@@ -75,8 +76,10 @@ def load_models(cfg, dataset, eval_dataset, vision, device):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     data.check_data(dataset, tokenizer, processor, model, cfg)
-    if eval_dataset is not None:
-        data.check_data(eval_dataset, tokenizer, processor, model, cfg, "eval split")
+    for name, eval_set in eval_sets.items():
+        data.check_data(eval_set, tokenizer, processor, model, cfg, data.eval_where(cfg, name))
+    rollout.check_token_ids(cfg, model, tokenizer)
+    models.router_aux_coef(cfg, model)  # a coefficient for a model without a router loss fails
     if cfg.use_peft:
         model = lora.add_adapter(model, lora.settings(cfg))
     model = models.prepare_model(model, cfg, trainable=True, device=device)
@@ -101,18 +104,31 @@ def start_generator(cfg, model, tokenizer, processor, dataset, device):
     return generator
 
 
-def eval_config(cfg):
-    """Evaluation's settings: num_generations_eval completions per prompt (default
-    num_generations)."""
-    return dataclasses.replace(cfg, num_generations=cfg.num_generations_eval or cfg.num_generations)
+def steps_per_batch(cfg):
+    """Optimizer steps on one generated batch: mu passes, each in steps_per_generation /
+    gradient_accumulation_steps mini-batches."""
+    minibatches = generation_steps(cfg, distributed.world_size()) // cfg.gradient_accumulation_steps
+    return cfg.num_iterations * minibatches
+
+
+def steps_per_epoch(cfg, dataset):
+    """Optimizer steps in one pass over the prompts (None for a stream)."""
+    batches = data.steps_per_epoch(dataset, cfg)
+    return batches and batches * steps_per_batch(cfg)
 
 
 def count_steps(cfg, dataset):
-    """Optimizer steps of the run: max_steps, or num_train_epochs passes over the prompts, mu steps
-    per generated batch."""
+    """Optimizer steps of the run: max_steps, or num_train_epochs passes over the prompts."""
     if cfg.max_steps > 0:
         return cfg.max_steps
-    return math.ceil(cfg.num_train_epochs * data.steps_per_epoch(dataset, cfg)) * cfg.num_iterations
+    batches = math.ceil(cfg.num_train_epochs * data.steps_per_epoch(dataset, cfg))
+    return batches * steps_per_batch(cfg)
+
+
+def warmup_steps(cfg, total_steps):
+    """--warmup_steps (below 1: a fraction of the run) or --warmup_ratio."""
+    fraction = cfg.warmup_ratio or (cfg.warmup_steps if cfg.warmup_steps < 1 else 0)
+    return int(fraction * total_steps) if fraction else int(cfg.warmup_steps)
 
 
 def make_optimization(cfg, model, dataset, device):
@@ -120,7 +136,8 @@ def make_optimization(cfg, model, dataset, device):
     (announced with the model's size)."""
     total_steps, optimizer = count_steps(cfg, dataset), models.make_optimizer(model, cfg)
     scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, num_training_steps=total_steps,
-                              num_warmup_steps=int(cfg.warmup_ratio * total_steps))
+                              num_warmup_steps=warmup_steps(cfg, total_steps),
+                              scheduler_specific_kwargs=cfg.lr_scheduler_kwargs)
     announce(cfg, model, device, total_steps)
     return optimizer, scheduler, total_steps
 
@@ -164,12 +181,13 @@ def score(cfg, batch, rewards, model, ref_model, step):
         shaped = combine_rewards(rewards_per_func, weights, cfg.reward_clip_range)  # [B]
     scores = Scores(rewards_per_func, shaped, loss_mask, None, timings=timings)
     with timed(timings, "time/reference"):
-        if cfg.beta > 0:  # r = R - beta * kl, k1 with log pi_old the sampler's where exact (§3)
+        if cfg.beta > 0:  # r = R - beta * kl, log pi_old the sampler's where exact (§3)
             exact = old_logps_from_sampler(cfg, batch.pixel_inputs is not None)
             old = batch.sampler_logps if exact else rollout.batch_logps(model, batch, cfg)
             with lora.reference(model, ref_model) as reference:
                 scores.ref_logps = rollout.batch_logps(reference, batch, cfg)  # [B, T]
-            scores.old_logps, scores.kl_sums = old, sequence_kl(old, scores.ref_logps, loss_mask)
+            scores.old_logps = old
+            scores.kl_sums = sequence_kl(old, scores.ref_logps, loss_mask, cfg.kl_estimator)
             scores.rewards = shaped - cfg.beta * scores.kl_sums
         advantages = rloo_advantages(scores.rewards, G)  # [B]  A_i = r_i - mean_{j != i} r_j
         if cfg.normalize_advantages:  # over the global batch: every rank normalises the same vector
@@ -181,22 +199,28 @@ def score(cfg, batch, rewards, model, ref_model, step):
     return scores
 
 
-def policy_step(cfg, model, optimizer, scheduler, batch, scores, old_logps=None):
-    """One optimizer step on the clipped sequence loss over the batch, in micro-batches of
+def policy_step(cfg, model, optimizer, scheduler, batch, scores, old_logps=None, rows=None):
+    """One optimizer step on the clipped sequence loss over the completions `rows` of the batch (a
+    slice; the whole batch unless steps_per_generation makes mini-batches), in micro-batches of
     per_device_train_batch_size (gradient accumulation: the loss is the mean over all of the step's
     sequences, on every rank; paper §3). old_logps None: on-policy, s_old = s.detach() so rho == 1
-    (README 'Where we differ from TRL'). -> (sequence log-probs s [B], the s_old of later passes;
-    this rank's sums for the metrics; the global gradient norm, non-finite: the step was skipped;
-    the phase timings)"""
+    (README 'Where we differ from TRL'). A MoE model adds coef * its router's load-balancing loss.
+    -> (sequence log-probs s of these rows; this rank's sums for the metrics; the global gradient
+    norm, non-finite: the step was skipped; the phase timings)"""
     advantages, cap = scores.advantages, cfg.vllm_importance_sampling_cap
+    rows = slice(0, len(advantages)) if rows is None else rows
     eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
-    mbs, timings, seq_logps_all = micro_batches_of(cfg, len(advantages)), {}, []
-    sums = defaultdict(float)  # this rank's totals for the step's metrics
+    aux_coef, timings, seq_logps_all = models.router_aux_coef(cfg, model), {}, []
+    mbs = [slice(s.start + rows.start, s.stop + rows.start)
+           for s in rollout.micro_batches(rows.stop - rows.start, cfg.per_device_train_batch_size)]
+    sums, n = defaultdict(float), rows.stop - rows.start  # this rank's totals for the metrics
     with timed(timings, "time/forward_backward"):
         for i, mb in enumerate(mbs):
             if isinstance(model, FSDPModule):  # reduce-scatter gradients once, at the last one
                 model.set_requires_gradient_sync(i == len(mbs) - 1)
-            logps, entropy, T = rollout.forward_logps(model, batch, mb, cfg.temperature)  # [b, T]
+            logps, entropy, T, aux = rollout.forward_logps(  # [b, T]
+                model, batch, mb, cfg.temperature, router_aux=aux_coef > 0,
+                pad_to=cfg.pad_to_multiple_of)
             mask = scores.loss_mask[mb, :T]
             seq_logps = (logps * mask).sum(-1)  # [b]  s_i = sum_t log pi(o_t)
             seq_old = seq_logps.detach() if old_logps is None else old_logps[mb]
@@ -210,7 +234,10 @@ def policy_step(cfg, model, optimizer, scheduler, batch, scores, old_logps=None)
                 sums["is_weight"] += is_weights.sum()
                 sums["is_truncated"] += (ratio > cap).float().sum()
             loss, low, high = rloo_loss(seq_logps, seq_old, advantages[mb], cfg.epsilon, eps_high,
-                                        len(advantages), is_weights)
+                                        n, is_weights)
+            if aux is not None:  # weighted by the micro-batch's share of the step
+                loss = loss + aux_coef * aux * len(mask) / n
+                sums["aux_loss"] += aux.detach() * len(mask)
             loss.backward()
             seq_logps_all.append(seq_logps.detach())
             sums["loss"] += loss.detach()
@@ -240,57 +267,34 @@ def optimizer_step(cfg, model, optimizer, scheduler):
     return grad_norm
 
 
-def micro_batches_of(cfg, batch_size):
-    return rollout.micro_batches(batch_size, cfg.per_device_train_batch_size)
-
-
 def update(cfg, model, optimizer, scheduler, batch, scores):
-    """mu = num_iterations optimizer steps on one generated batch; yields each step's (sums over
-    all ranks, grad norm, timings). s_old is stored by the first pass (the sampler's weights) and
-    reused, so for mu > 1 the clipped surrogate matters; for mu == 1 this is REINFORCE with the
-    leave-one-out baseline (rho == 1)."""
+    """The optimizer steps on one generated batch: mu = num_iterations passes over it, each in
+    steps_per_generation / gradient_accumulation_steps mini-batches (whole groups in order; the
+    prompts are already shuffled), one optimizer step each; yields each step's (sums over all
+    ranks, grad norm, timings). s_old is the sampler's weights' sequence log-prob: stored by the
+    first pass when one step covers the batch (for mu == 1 this is REINFORCE with the leave-one-out
+    baseline, rho == 1), else computed before the first step, so from the second mini-batch on the
+    clipped surrogate matters."""
+    per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+    minibatches = rollout.micro_batches(len(scores.advantages), per_step)
     old_logps = None
+    if len(minibatches) > 1:  # the KL's log pi_old where scoring computed it, else a forward
+        old = scores.old_logps if scores.old_logps is not None else \
+            rollout.batch_logps(model, batch, cfg)
+        old_logps = (old * scores.loss_mask[:, :old.shape[1]]).sum(-1)
     for _ in range(cfg.num_iterations):
-        timings = {}
-        with timed(timings, "time/training"):
-            seq_logps, sums, grad_norm, step_timings = policy_step(cfg, model, optimizer, scheduler,
-                                                                   batch, scores, old_logps)
-        old_logps = seq_logps if old_logps is None else old_logps
-        yield distributed.reduce_sums(sums), grad_norm, {**step_timings, **timings}
+        for rows in minibatches:
+            timings = {}
+            with timed(timings, "time/training"):
+                seq_logps, sums, grad_norm, step_timings = policy_step(
+                    cfg, model, optimizer, scheduler, batch, scores, old_logps, rows)
+            old_logps = seq_logps if old_logps is None else old_logps
+            yield distributed.reduce_sums(sums), grad_norm, {**step_timings, **timings}
 
 
 # ---------------------------------------------------------------------------------------------
-# Evaluation, and what makes a run meaningless
+# What makes a run meaningless
 # ---------------------------------------------------------------------------------------------
-
-@torch.no_grad()
-def evaluate(cfg, generator, dataset, rewards, step):
-    """Sample G completions for every eval prompt and score them: the generation metrics, prefixed
-    eval_. Each rank takes its share of every chunk of prompts; indices wrap so all ranks call
-    generate equally often (FSDP2 all-gathers in lockstep), and the wrapped duplicates are dropped
-    before the metrics."""
-    cfg = eval_config(cfg)
-    G, n, chunks = cfg.num_generations, len(dataset), []
-    P, rank = max(1, data.prompts_per_rank(cfg)), distributed.rank()
-    for start in range(0, n, P * distributed.world_size()):
-        index = [start + rank * P + j for j in range(P)]
-        batch = generator.generate(dataset[[i % n for i in index]])
-        rewards_per_func = rewards(batch, G, step)  # [B, K]
-        valid = torch.tensor(rollout.repeat_each([i < n for i in index], G))
-        chunks.append({"rewards_per_func": rewards_per_func.T,
-                       "lengths": batch.completion_mask.sum(-1).float(),
-                       "truncated": batch.truncated.float(),
-                       "valid": valid.float().to(rewards_per_func.device)})
-    columns = distributed.gather({k: torch.cat([c[k] for c in chunks], -1) for k in chunks[0]})
-    keep = columns.pop("valid") > 0  # drop the wrapped duplicates (whole groups)
-    columns = {k: v[..., keep] for k, v in columns.items()}
-    columns["rewards_per_func"] = columns["rewards_per_func"].T  # [completions, K]
-    weights = rewards.weights.to(keep.device)
-    columns["rewards"] = combine_rewards(columns["rewards_per_func"], weights,
-                                         cfg.reward_clip_range)
-    metrics = generation_metrics(columns, rewards.names, weights, G)
-    return {f"eval_{k}": v for k, v in metrics.items()}
-
 
 class RunHealth:
     """What makes a run meaningless, each stopped with one line: optimizer steps in a row with a
@@ -330,12 +334,13 @@ class RunHealth:
 
 def announce(cfg, model, device, total_steps):
     if distributed.is_main():
-        per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+        world = distributed.world_size()
+        per_batch = cfg.per_device_train_batch_size * generation_steps(cfg, world) * world
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        print(f"rloo: {distributed.world_size()} process(es) on {device}, "
+        print(f"rloo: {world} process(es) on {device}, "
               f"{sum(p.numel() for p in model.parameters()):,} params per rank ({trainable:,} "
-              f"trainable), {per_step * distributed.world_size()} completions/step, {total_steps} "
-              f"steps -> {cfg.output_dir}")
+              f"trainable), {per_batch} completions per generated batch, {steps_per_batch(cfg)} "
+              f"optimizer step(s) on each, {total_steps} steps -> {cfg.output_dir}")
 
 
 def finish(cfg, model, saver, stopped, step, logger):
@@ -367,17 +372,18 @@ def main(argv=None):
     device = distributed.setup_distributed(cfg.ddp_timeout)
     check_config(cfg, distributed.world_size())
     checkpoint.check_output_dir(cfg)
-    dataset, eval_dataset, vision = data.load_datasets(cfg)  # data first: cheaper to find it wrong
+    dataset, eval_sets, vision = data.load_datasets(cfg)  # data first: cheaper to find it wrong
     model, ref_model, tokenizer, processor, dataset = load_models(
-        cfg, dataset, eval_dataset, vision, device)
+        cfg, dataset, eval_sets, vision, device)
     rewards = load_rewards(cfg, device)
     generator = start_generator(cfg, model, tokenizer, processor, dataset, device)
     eval_generator = rollout.DecodeLoop(eval_config(cfg), model, tokenizer, processor, device)
     optimizer, scheduler, total_steps = make_optimization(cfg, model, dataset, device)
+    rewards.max_steps, rewards.steps_per_epoch = total_steps, steps_per_epoch(cfg, dataset)
     # a TrainerState: step 0, or the checkpoint resumed from
     state = checkpoint.resume_or_start(cfg, model, optimizer, scheduler, ref_model)
     stop_signal, health = checkpoint.watch_signals(device), RunHealth(cfg)  # SIGTERM or Ctrl-C
-    logger = Logger(cfg, total_steps, state)
+    logger = Logger(cfg, total_steps, state, rewards.steps_per_epoch)
     source = BatchSource(cfg, generator, dataset, rewards, tokenizer.pad_token_id, vars(state))
     step, num_tokens, saved_step, stopped = state.step, state.num_tokens, state.step, False
 
@@ -393,7 +399,7 @@ def main(argv=None):
         health.scored(sampled["reward"], step)
         if step == 0:
             show_samples("before training", batch, scores, cfg.num_generations)
-        # ======== 3. Update: mu passes over the batch, one optimizer step each ========
+        # ======== 3. Update: mu passes over the batch, an optimizer step per mini-batch ========
         passes = update(cfg, model, optimizer, scheduler, batch, scores)
         for i, (sums, grad_norm, timings) in enumerate(passes):
             step += 1
@@ -401,9 +407,10 @@ def main(argv=None):
             logger.add_step({**(sampled if i == 0 else {}),
                              **step_metrics(sums, grad_norm, scheduler, timings, batch_tokens)})
             if logger.log_if_due(step, num_tokens=num_tokens) and cfg.log_completions:
-                logger.completions(step, *completions_table(step, batch, scores, rewards))
-            if eval_dataset is not None and step % cfg.eval_steps == 0:
-                logger.write(step, evaluate(cfg, eval_generator, eval_dataset, rewards, step))
+                logger.completions(step, *completions_table(step, batch, scores, rewards,
+                                                            cfg.log_multimodal))
+            if eval_sets and step % cfg.eval_steps == 0:
+                logger.write(step, evaluate(cfg, eval_generator, eval_sets, rewards, model, step))
             health.stepped(grad_norm)
             if step >= total_steps:
                 break

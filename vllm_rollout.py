@@ -19,6 +19,7 @@ import os
 import socket
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,12 +32,18 @@ import lora
 from config import fail, sampler_logps_exact, vllm_logprobs_mode, weights_dtype
 from data import embedded_task
 from metrics import timed
-from rollout import (eos_token_ids, finish, image_token_ids, pixel_inputs_for, prompt_tensors,
-                     prompt_texts, row_images, tokenize_prompts, with_images, pad)
+from rollout import (eos_token_ids, finish, image_token_ids, pad, pixel_inputs_for,
+                     prompt_tensors, prompt_texts, row_images, tokenize_prompts, with_bad_word_ids,
+                     with_images)
 
 
 def make_generator(cfg, model, tokenizer, processor, device, max_images=0, max_model_len=None):
     """The generator of a --use_vllm run, over a colocated engine or a server."""
+    if lora.trains_tied_head(model) and (cfg.model or cfg.vllm_mode == "server"):
+        fail("the adapter trains the output head of a model whose head is tied to its input "
+             "embeddings, and vLLM ties them again when it loads the weights, so it would sample "
+             "with the untrained head: drop lm_head from --lora_modules_to_save (and from "
+             "--lora_target_modules), or generate without --use_vllm")
     if cfg.vllm_mode == "server":
         engine = ServerEngine(cfg, model, device)
     else:
@@ -85,9 +92,12 @@ class VLLMGenerator:
         else:
             texts = prompt_texts(processor, rows["prompt"], cfg.chat_template_kwargs, images)
             prompt_lists = [self.tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+        if isinstance(self.engine, ColocatedEngine):  # bad words as ids (a server takes strings)
+            cfg = with_bad_word_ids(cfg, self.tokenizer)
         sampling = vllm_sampling(cfg, self.eos_ids, sampler_logps_exact(cfg, images is not None))
         if processor is not None:  # image placeholders are never sampled (see rollout.generate_hf)
-            sampling["logit_bias"] = {i: -100.0 for i in image_token_ids(processor)}
+            sampling["logit_bias"] = {**sampling.get("logit_bias", {}),
+                                      **{i: -100.0 for i in image_token_ids(processor)}}
         if seed is not None:  # prompt p's G samples get seed + p * G + j, whatever else runs
             sampling["seed"] = seed
         samples = self.engine.sample(rows["prompt"], prompt_lists, images, sampling)
@@ -118,13 +128,33 @@ class VLLMGenerator:
 
 
 def vllm_sampling(cfg, eos_ids, logprobs):
-    """SamplingParams fields; logprobs=False: the engine computes none (they would not be log
-    pi_T)."""
+    """SamplingParams fields (the request's, for a server); logprobs=False: the engine computes
+    none (they would not be log pi_T). Guided decoding (--vllm_structured_outputs_regex) goes as
+    structured_outputs."""
+    extra = dict(cfg.generation_kwargs or {})
+    if cfg.vllm_structured_outputs_regex:
+        extra["structured_outputs"] = {"regex": cfg.vllm_structured_outputs_regex}
     return dict(n=cfg.num_generations, temperature=cfg.temperature, top_p=cfg.top_p,
                 top_k=cfg.top_k or 0, min_p=cfg.min_p or 0.0,
                 repetition_penalty=cfg.repetition_penalty, max_tokens=cfg.max_completion_length,
                 logprobs=0 if logprobs else None, skip_special_tokens=False,
-                **{**(cfg.generation_kwargs or {}), "stop_token_ids": eos_ids})
+                **{**extra, "stop_token_ids": eos_ids})
+
+
+def sampling_params(sampling):
+    """A colocated engine's SamplingParams of the request fields: structured_outputs as vLLM's
+    StructuredOutputsParams, bad_words_ids as the token ids vLLM itself makes of bad_words
+    (SamplingParams.update_from_tokenizer keeps them when no strings are given)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    options = dict(sampling)
+    bad_ids, guided = options.pop("bad_words_ids", None), options.pop("structured_outputs", None)
+    params = SamplingParams(**options, detokenize=False,
+                            structured_outputs=guided and StructuredOutputsParams(**guided))
+    if bad_ids:
+        params._bad_words_token_ids = bad_ids
+    return params
 
 
 def per_prompt_seed(sampling, i):
@@ -151,7 +181,11 @@ class ColocatedEngine:
         if path is None:  # the architecture's files; the weights are pushed before every generation
             path = os.path.join(cfg.output_dir, "embedded_init")
             if distributed.is_main():
-                embedded_task(cfg.seed)[0].save_pretrained(path)
+                init = embedded_task(cfg.seed)[0]
+                if lora.trains_tied_head(model):  # an engine with a head of its own, pushed to
+                    lora.untied_configs(init)
+                    init.lm_head.weight = torch.nn.Parameter(init.lm_head.weight.clone())
+                init.save_pretrained(path)
                 tokenizer.save_pretrained(path)
             distributed.barrier()
         self.engine = vllm_engine(cfg, path, device, max_images, max_model_len)
@@ -203,7 +237,7 @@ def colocated_samples(engine, tp_group, prompt_lists, images, sampling):
     prompt's images go as multi_modal_data (the engine expands the image placeholders itself).
     tp_group: the ranks sharing one tensor-parallel engine call it together with the same requests,
     so they generate everyone's prompts and each keeps its own completions."""
-    from vllm import SamplingParams, TokensPrompt
+    from vllm import TokensPrompt
 
     requests = []
     for i, (ids, row) in enumerate(zip(prompt_lists, images or [None] * len(prompt_lists))):
@@ -215,7 +249,7 @@ def colocated_samples(engine, tp_group, prompt_lists, images, sampling):
         torch.distributed.all_gather_object(everyone, requests, group=tp_group)
         requests = [request for part in everyone for request in part]
         first = sum(len(part) for part in everyone[:torch.distributed.get_rank(tp_group)])
-    params = [SamplingParams(**{**sampling, **seed}, detokenize=False) for _, seed in requests]
+    params = [sampling_params({**sampling, **seed}) for _, seed in requests]
     outputs = engine.generate([request for request, _ in requests], params, use_tqdm=False)
     samples = []
     for out in outputs[first:first + len(prompt_lists)]:
@@ -329,7 +363,8 @@ class ServerEngine:
 
     def __init__(self, cfg, model, device):
         self.cfg, self.weights_gone = cfg, False
-        self.base_url = f"http://{cfg.vllm_server_host}:{cfg.vllm_server_port}"
+        self.base_url = (cfg.vllm_server_base_url or
+                         f"http://{cfg.vllm_server_host}:{cfg.vllm_server_port}").rstrip("/")
         wait_for_server(self.base_url, cfg.vllm_server_timeout)
         if weight_sync_mode(cfg, device) == "nccl":
             self.push = nccl_pusher(cfg, model, self.base_url)
@@ -493,7 +528,7 @@ def nccl_pusher(cfg, model, base_url):
     source = PolicyWeights(model, push_dtype(cfg))
     address, port, world = None, None, None
     if distributed.is_main():
-        local = cfg.vllm_server_host in ("127.0.0.1", "localhost")
+        local = urllib.parse.urlparse(base_url).hostname in ("127.0.0.1", "localhost")
         address = "127.0.0.1" if local else socket.getfqdn()
         port, world = free_port(), 1 + http(base_url + "/get_world_size")["world_size"]
     info = NCCLTrainerInitInfo(master_address=address, master_port=port, world_size=world,

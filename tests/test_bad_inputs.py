@@ -57,7 +57,7 @@ FLAG_CASES = [  # (flags, what the line must say); marked "ours" where the issue
     (["--seed", "-1"], "--seed -1: must be in [0, 4294967295]"),
     (["--lr_scheduler_type", "bogus"], "--lr_scheduler_type bogus: must be one of linear, cosine"),
     (["--generation_kwargs", '{"min_tokens": "4"}'], "--generation_kwargs"),
-    (["--eval_split", "test"], "--eval_split 'test' names a split of --dataset, and there is none"),
+    (["--eval_split", "test"], "--eval_split test names splits of --dataset, and there is none"),
     # ours
     (["--lora_r", "0"], "--lora_r 0: must be >= 1"),
     (["--lora_alpha", "0"], "--lora_alpha 0: must be > 0"),
@@ -78,7 +78,7 @@ FLAG_CASES = [  # (flags, what the line must say); marked "ours" where the issue
     (["--chat_template_kwargs", "[1]"], "--chat_template_kwargs [1]: must be a JSON object"),
     (["--model_init_kwargs", "{bad"], "--model_init_kwargs {bad: must be a JSON object"),
     (["--lr_scheduler_type", "reduce_lr_on_plateau"], "must be one of linear"),  # needs a metric to step
-    (["--generation_kwargs", '{"stop_token_ids": [1.5]}'], "stop_token_ids (list)"),
+    (["--generation_kwargs", '{"stop_token_ids": [1.5]}'], "stop_token_ids=[1.5]: must be a list of token ids"),
     (["--vllm_tensor_parallel_size", "0"], "--vllm_tensor_parallel_size 0: must be >= 1"),
     (["--max_nonfinite_steps", "0"], "--max_nonfinite_steps 0: must be >= 1"),
     (["--reward_clip_range", "nan", "1"], "--reward_clip_range nan 1.0: must be finite"),
@@ -132,10 +132,10 @@ def data_error(tmp_path, lines=None, text=None, name="data.jsonl", extra=(), tok
         cfg = train.parse_config(["--dataset", str(path), "--per_device_train_batch_size", "2", "--num_generations",
                                   "2", *extra])
         train.check_config(cfg)
-        dataset, eval_dataset, _ = data.load_datasets(cfg)
+        dataset, eval_sets, _ = data.load_datasets(cfg)
         data.check_data(dataset, tokenizer, None, model, cfg)
-        if eval_dataset is not None:
-            data.check_data(eval_dataset, tokenizer, None, model, cfg, "eval split")
+        for name, eval_set in eval_sets.items():
+            data.check_data(eval_set, tokenizer, None, model, cfg, data.eval_where(cfg, name))
         if not hasattr(dataset, "__len__"):
             next(data.prompt_batches(dataset, cfg, 0))
     except SystemExit as e:
@@ -174,7 +174,7 @@ DATA_CASES = {  # name: (rows or raw text, what the line must say, extra flags)
     "role missing": ([{"prompt": [{"content": "1="}], "target": "1"}] * 2, "has no string 'role'", ()),
     "too long for the context": ([GOOD, {"prompt": "1" * 70, "target": "1"}], "row 1: the longest prompt has 70", ()),
     "eval prompt too long": ({"train": [GOOD] * 2, "test": [GOOD, GOOD, {"prompt": "1" * 70, "target": "1"}]},
-                             "eval split row 2: the longest prompt has 70", ("--eval_split", "test")),
+                             "eval split 'test' row 2: the longest prompt has 70", ("--eval_split", "test")),
 }
 
 

@@ -14,6 +14,7 @@ import torch
 import checkpoint
 import config
 import data
+import evaluation
 import lora
 import models
 import rewards
@@ -124,18 +125,20 @@ def test_merged_weights_reproduce_the_adapted_policy(tmp_path):
 
 
 def test_lora_run_learns_and_exports_merged_weights(tmp_path):
-    """The embedded task with an adapter on every linear layer: reward rises; export of the last checkpoint (base
-    rebuilt from the seed, adapter from the shards) equals the final model."""
+    """`python train.py --use_peft` with the embedded LoRA preset (an adapter on every linear layer and the head
+    trained beside it): the reward rises as with full fine-tuning; export of the last checkpoint (base rebuilt from
+    the seed, adapter from the shards) equals the final model."""
     from transformers import AutoModelForCausalLM
 
-    out = run(["--use_peft", "--lora_target_modules", "all-linear", "--max_steps", "150", "--save_steps", "75",
-               "--logging_steps", "5", "--output_dir", str(tmp_path)])
+    out = run(["--use_peft", "--max_steps", "200", "--save_steps", "100", "--logging_steps", "5",
+               "--output_dir", str(tmp_path)])
     assert out.returncode == 0, out.stderr[-3000:]
     assert "trainable" in out.stdout
     rewards = [m["reward"] for m in read_metrics(tmp_path)]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
-    assert last > first + 0.05, rewards  # measured: 0.07 -> 0.17 (full fine-tuning: 0.08 -> 0.29)
-    exported = run(["export", str(tmp_path / "checkpoint-150"), str(tmp_path / "exported")])
+    # measured: 0.10 -> 0.97 (without training the head: 0.07 -> 0.19, whatever the rank or learning rate)
+    assert first < 0.3 and last > 0.8, rewards
+    exported = run(["export", str(tmp_path / "checkpoint-200"), str(tmp_path / "exported")])
     assert exported.returncode == 0, exported.stderr[-3000:]
     final = AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").state_dict()
@@ -250,7 +253,7 @@ def test_num_generations_eval(tmp_path):
     model, tokenizer, dataset = data.embedded_task(seed=0)
     cfg = cfg_for(num_generations=8, num_generations_eval=2, per_device_train_batch_size=16, max_completion_length=5)
     sizes = []
-    generator = rollout.DecodeLoop(train.eval_config(cfg), model, tokenizer, None, CPU)
+    generator = rollout.DecodeLoop(evaluation.eval_config(cfg), model, tokenizer, None, CPU)
     generate = generator.generate
 
     def counting(rows, seed=None):
@@ -259,7 +262,8 @@ def test_num_generations_eval(tmp_path):
         return batch
 
     generator.generate = counting
-    metrics = train.evaluate(cfg, generator, dataset.select(range(16)), rewards.load_rewards(cfg, CPU), step=0)
+    metrics = evaluation.evaluate(cfg, generator, {"test": dataset.select(range(16))}, rewards.load_rewards(cfg, CPU),
+                                  model, step=0)
     assert sizes == [(8, 16), (8, 16)] and "eval_reward" in metrics
 
 

@@ -106,6 +106,25 @@ def test_sequence_kl_sums_masked_log_ratio():
     assert sequence_kl(logps, ref, mask).tolist() == [0.5 - 1.0, 0.5 - 0.25 - 9.0]
 
 
+def test_k3_is_an_unbiased_non_negative_kl_estimate():
+    """k3 = exp(-d) - 1 + d, d = log p(o) - log q(o): by hand on one token; its expectation under o ~ p, summed
+    exactly over a categorical vocabulary, is KL(p || q) in closed form (as k1's is); it is >= 0 on every token,
+    where k1 is not; masked tokens add nothing."""
+    d = torch.tensor([[math.log(2.0), -math.log(2.0), 5.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    want = (0.5 - 1 + math.log(2.0)) + (2.0 - 1 - math.log(2.0))
+    assert sequence_kl(d, torch.zeros_like(d), mask, "k3").item() == pytest.approx(want, abs=1e-6)
+    g = torch.Generator().manual_seed(0)
+    p, q = torch.softmax(torch.randn(50, generator=g), 0), torch.softmax(torch.randn(50, generator=g), 0)
+    closed_form = (p * (p.log() - q.log())).sum()
+    every_token = torch.ones(50, 1)  # each vocabulary entry as a one-token completion, weighted by p below
+    for estimator in ("k1", "k3"):
+        per_token = sequence_kl(p.log()[:, None], q.log()[:, None], every_token, estimator)
+        torch.testing.assert_close((p * per_token).sum(), closed_form, atol=1e-6, rtol=0)
+    assert (sequence_kl(p.log()[:, None], q.log()[:, None], every_token, "k3") >= 0).all()
+    assert (sequence_kl(p.log()[:, None], q.log()[:, None], every_token, "k1") < 0).any()
+
+
 def test_on_policy_loss_is_reinforce_with_unit_ratio():
     """old = logps.detach(): rho == 1, loss = -mean(A), and d loss / d s_i = -A_i / N."""
     s = torch.tensor([-3.0, -1.0, -2.0, -4.0], requires_grad=True)

@@ -82,7 +82,7 @@ def test_sampler_logps_equal_a_full_forward(tiny, knobs):
     torch.manual_seed(1)
     out = rollout.generate(model, tokenizer, {"prompt": ["123=", "4=", "98765="]}, cfg, torch.device("cpu"))
     with torch.no_grad():
-        logps, _, T = rollout.forward_logps(model, out, slice(None), cfg.temperature)
+        logps, _, T, _ = rollout.forward_logps(model, out, slice(None), cfg.temperature)
     mask = out.completion_mask[:, :T]
     torch.testing.assert_close(out.sampler_logps[:, :T] * mask, logps * mask, atol=1e-5, rtol=0)
 
@@ -164,7 +164,7 @@ def test_log_probs_through_the_chunked_head_equal_the_full_logits(tiny, monkeypa
     results = []
     for chunked in (True, False):
         model.zero_grad(set_to_none=True)
-        logps, entropy, T = rollout.forward_logps(model.train(), batch, slice(None), 0.7, chunked=chunked)
+        logps, entropy, T, _ = rollout.forward_logps(model.train(), batch, slice(None), 0.7, chunked=chunked)
         (logps * batch.completion_mask[:, :T]).sum().backward()
         results.append((logps.detach(), entropy, [p.grad.clone() for p in model.parameters()]))
     torch.testing.assert_close(results[0][0], results[1][0], atol=1e-6, rtol=0)
@@ -300,6 +300,47 @@ def test_train_with_vllm_logs_drift_and_sync_time(tmp_path, chat_model_dir, vllm
         assert load.returncode == 0 and "TOKENS [" in load.stdout, load.stderr[-3000:]
 
 
+RECORD_COMPLETIONS = """
+import json, os
+def record(completions, **kwargs):
+    with open(os.environ["COMPLETIONS_LOG"], "a") as f:
+        f.write(json.dumps([c[-1]["content"] for c in completions]) + "\\n")
+    return [float(len(c[-1]["content"])) for c in completions]
+"""
+
+
+@requires_vllm
+@pytest.mark.parametrize("mode", ["colocate", "server"])
+def test_vllm_structured_outputs_bad_words_and_logit_bias_reach_the_engine(tmp_path, chat_model_dir, vllm_server,
+                                                                             mode):
+    """The regex [ab]+ (guided decoding), 'bb' as a bad word (token ids in a colocated engine, a string for a
+    server reached by --vllm_server_base_url) and logit bias -100 on 'a' leave one completion: "b". The engine's
+    log-probs are then of a masked distribution, so the KL's old log-probs come from the trainer's forward."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
+    a, b = tokenizer.convert_tokens_to_ids(["a", "b"])
+    bad = {"bad_words_ids": [[b, b]]} if mode == "colocate" else {"bad_words": ["bb"]}
+    options = json.dumps({**bad, "logit_bias": {str(a): -100.0}})
+    (tmp_path / "record.py").write_text(RECORD_COMPLETIONS)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{i}?"}]}) + "\n" for i in range(8)))
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--model", str(chat_model_dir), "--dataset",
+                          str(data), "--reward_funcs", f"{tmp_path / 'record.py'}:record", "--use_vllm", "--vllm_mode",
+                          mode, "--vllm_server_base_url" if mode == "server" else "--vllm_server_port",
+                          f"http://127.0.0.1:{vllm_server}/" if mode == "server" else str(vllm_server),
+                          "--vllm_structured_outputs_regex", "[ab]+", "--generation_kwargs", options, "--bf16",
+                          "false", "--num_generations", "4", "--per_device_train_batch_size", "8",
+                          "--max_completion_length", "6", "--max_steps", "2", "--logging_steps", "1", "--beta", "0.1",
+                          "--output_dir", str(tmp_path / "run")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "COMPLETIONS_LOG": str(tmp_path / "seen.jsonl")})
+    assert out.returncode == 0, out.stderr[-4000:]
+    seen = [c for line in (tmp_path / "seen.jsonl").read_text().splitlines() for c in json.loads(line)]
+    assert seen == ["b"] * 16
+    metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert all("kl" in m and "sampling/sampling_logp_difference/mean" not in m for m in metrics)
+
+
 @requires_vllm
 def test_vllm_server_down_is_a_clear_error_not_a_hang(tmp_path, chat_model_dir):
     port = free_port()  # nothing listens here
@@ -380,7 +421,7 @@ def test_vlm_training_forward_reproduces_the_sampler_log_probs(tmp_path, family,
     placeholders = torch.tensor(rollout.image_token_ids(processor))
     assert len(placeholders) and not torch.isin(batch.completion_ids, placeholders).any()
     for rows_slice in rollout.micro_batches(6, 3):
-        logps, _, T = rollout.forward_logps(model, batch, rows_slice, 1.0)
+        logps, _, T, _ = rollout.forward_logps(model, batch, rows_slice, 1.0)
         mask = batch.completion_mask[rows_slice, :T]
         torch.testing.assert_close(logps * mask, batch.sampler_logps[rows_slice, :T], atol=2e-5, rtol=0)
 

@@ -104,14 +104,14 @@ def test_embedded_preset_applies_only_without_model_and_flags_win():
     (["--dataset", "./no_such_file.jsonl"], "dataset file './no_such_file.jsonl' does not exist"),
     (["--model_init_kwargs", '["dtype"]'], "--model_init_kwargs [\"dtype\"]: must be a JSON object"),
     (["--model_init_kwargs", '{"dtype": "bfloat16"}'], "apply to a model loaded with --model"),
-    (["--generation_kwargs", '{"seed": 1}'], "must be a JSON object with keys min_tokens (int)"),
+    (["--generation_kwargs", '{"seed": 1}'], "--generation_kwargs seed: set --seed"),
     (["--num_generations_eval", "0"], "--num_generations_eval 0: must be >= 1"),
-    (["--lora_target_modules", "q_proj"], "train a LoRA adapter: add --use_peft"),
+    (["--lora_target_modules", "q_proj"], "configure a LoRA adapter: add --use_peft"),
     (["--use_peft", "--sync_ref_model"], "with --use_peft the reference is the base model under the adapter"),
     (["--sync_ref_model", "--beta", "0"], "drop --sync_ref_model"),
     (["--sync_ref_model", "--ref_model_mixup_alpha", "2"], "--ref_model_mixup_alpha 2.0: must be in [0, 1]"),
     (["--use_peft", "--lora_target_modules", "no_such_layer"], "cannot add a LoRA adapter"),
-    (["--use_peft", "--lora_target_modules", "model.embed_tokens"], "only linear layers are supported"),
+    (["--use_peft", "--lora_target_modules", "model.embed_tokens"], "only linear layers"),
     (["--async_generation"], "--async_generation needs --use_vllm --vllm_mode server"),
     (["--dynamic_sampling", "--max_dynamic_sampling_rounds", "-1"], "--max_dynamic_sampling_rounds -1: must be >= 0"),
 ])
@@ -159,7 +159,7 @@ def hand_built_batch(model, tokenizer):
     batch.completion_ids, batch.completion_mask, batch.truncated = rollout.completion_masks(ids, [eos], pad)
     batch.completion_lists = [row[:int(n)] for row, n in zip(ids.tolist(), batch.completion_mask.sum(-1))]
     with torch.no_grad():
-        logps, _, _ = rollout.forward_logps(model, batch, slice(None), 1.0)
+        logps, _, _, _ = rollout.forward_logps(model, batch, slice(None), 1.0)
     batch.sampler_logps = logps * batch.completion_mask
     return cfg, batch
 
@@ -206,8 +206,8 @@ def test_kl_from_sampler_logps_equals_two_pass_computation():
     batch = rollout.generate(model, tokenizer, rows, cfg, torch.device("cpu"))
     ours = train.score(cfg, batch, RewardFunctions([rewards.task_reward]), model, ref, 0)
     with torch.no_grad():  # the plain two-pass way: score the policy and the reference on the finished batch
-        old, _, T = rollout.forward_logps(model, batch, slice(None), cfg.temperature)
-        ref_logps, _, _ = rollout.forward_logps(ref, batch, slice(None), cfg.temperature)
+        old, _, T, _ = rollout.forward_logps(model, batch, slice(None), cfg.temperature)
+        ref_logps, _, _, _ = rollout.forward_logps(ref, batch, slice(None), cfg.temperature)
     kl = sequence_kl(old, ref_logps, batch.completion_mask[:, :T])
     assert kl.abs().max() > 0.01  # the reference really differs
     torch.testing.assert_close(ours.kl_sums, kl, atol=1e-4, rtol=1e-4)
@@ -408,7 +408,7 @@ def test_gradient_checkpointing_and_bf16_change_memory_not_math():
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         m.train()
         with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
-            lp, _, _ = rollout.forward_logps(m, batch, slice(None), 1.0)
+            lp, _, _, _ = rollout.forward_logps(m, batch, slice(None), 1.0)
         (lp * batch.completion_mask).sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in m.parameters()]))
         logps.append(lp.detach())

@@ -1,0 +1,88 @@
+"""Evaluation: G completions for every prompt of each eval set (--eval_split, --eval_dataset),
+scored like training's, with TRL's metric names prefixed eval_ (one set) or eval_<name>_.
+
+The generator is our decode loop over the policy's live weights, with num_generations_eval
+completions per prompt; nothing here changes the model.
+"""
+
+import dataclasses
+
+import torch
+
+import distributed
+import models
+import rollout
+from config import generation_steps
+from metrics import generation_metrics, logged_metrics
+from rloo import combine_rewards, rloo_advantages, rloo_loss
+
+
+def eval_config(cfg):
+    """Evaluation's settings: num_generations_eval completions per prompt (default
+    num_generations)."""
+    return dataclasses.replace(cfg, num_generations=cfg.num_generations_eval or cfg.num_generations)
+
+
+@torch.no_grad()
+def evaluate(cfg, generator, eval_sets, rewards, model, step):
+    """Every eval set (README 'Datasets'): metrics prefixed eval_ when there is one,
+    eval_<name>_ for each of several."""
+    metrics = {}
+    for name, dataset in eval_sets.items():
+        prefix = "eval_" if len(eval_sets) == 1 else f"eval_{name}_"
+        measured = evaluate_set(cfg, generator, dataset, rewards, model, step)
+        metrics.update({prefix + k: v for k, v in measured.items()})
+    return metrics
+
+
+def evaluate_set(cfg, generator, dataset, rewards, model, step):
+    """Sample G completions for every prompt of one eval set and score them: the generation
+    metrics, what reward functions logged, and TRL's eval_loss (the loss at rho = 1, the weights
+    not having moved: -mean A, ~0 since leave-one-out advantages sum to 0 in a group, plus coef *
+    aux_loss for a MoE model). Each rank takes its share of every chunk of prompts; indices wrap so
+    all ranks call generate equally often (FSDP2 all-gathers in lockstep), and the wrapped
+    duplicates are dropped before the metrics."""
+    cfg = eval_config(cfg)
+    G, n, chunks, logged = cfg.num_generations, len(dataset), [], {}
+    P, rank = eval_prompts_per_rank(cfg), distributed.rank()
+    aux_coef, weights = models.router_aux_coef(cfg, model), rewards.weights
+    for start in range(0, n, P * distributed.world_size()):
+        index = [start + rank * P + j for j in range(P)]
+        batch = generator.generate(dataset[[i % n for i in index]])
+        rewards_per_func = rewards(batch, G, step)  # [B, K]
+        for k, values in batch.logged_metrics.items():
+            logged.setdefault(k, []).extend(values)
+        valid = torch.tensor(rollout.repeat_each([i < n for i in index], G)).float()
+        shaped = combine_rewards(rewards_per_func, weights.to(valid.device), cfg.reward_clip_range)
+        advantages = rloo_advantages(shaped, G) * valid.to(shaped.device)
+        unmoved = torch.zeros_like(advantages)  # s = s_old
+        loss = rloo_loss(unmoved, unmoved, advantages, cfg.epsilon, cfg.epsilon, 1)[0]
+        aux = torch.tensor(0.0)
+        if aux_coef:  # the mean over training-sized micro-batches
+            mbs = rollout.micro_batches(len(advantages), cfg.per_device_train_batch_size)
+            aux = sum(rollout.forward_logps(model, batch, mb, cfg.temperature, router_aux=True)[3]
+                      for mb in mbs) / len(mbs)
+        chunks.append({"rewards_per_func": rewards_per_func.T,
+                       "lengths": batch.completion_mask.sum(-1).float(),
+                       "truncated": batch.truncated.float(), "valid": valid,
+                       "loss": loss.reshape(1), "aux_loss": aux.reshape(1).float().cpu()})
+    columns = distributed.gather({k: torch.cat([c[k] for c in chunks], -1).to(valid.device)
+                                  for k in chunks[0]})
+    keep = columns.pop("valid") > 0  # drop the wrapped duplicates (whole groups)
+    loss, aux = columns.pop("loss"), columns.pop("aux_loss")
+    columns = {k: v[..., keep] for k, v in columns.items()}
+    columns["rewards_per_func"] = columns["rewards_per_func"].T  # [completions, K]
+    columns["rewards"] = combine_rewards(columns["rewards_per_func"], weights.to(keep.device),
+                                         cfg.reward_clip_range)
+    metrics = generation_metrics(columns, rewards.names, weights.to(keep.device), G)
+    metrics["loss"] = (loss.sum() / keep.sum() + aux_coef * aux.mean()).item()
+    if aux_coef:
+        metrics["aux_loss"] = aux.mean().item()
+    return {**metrics, **logged_metrics(logged)}
+
+
+def eval_prompts_per_rank(cfg):
+    """Prompts per rank in one eval generate call (cfg: eval_config's)."""
+    completions = cfg.per_device_eval_batch_size or (
+        cfg.per_device_train_batch_size * generation_steps(cfg, distributed.world_size()))
+    return max(1, completions // cfg.num_generations)
