@@ -9,6 +9,7 @@ training code and imports no other file of the project: every file can import it
 import importlib.util
 import json
 import math
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -238,15 +239,35 @@ class Config:
         "One weight per reward function (default: all 1.0).")
     reward_clip_range: list[float] | None = arg(None, FINITE,
         "Two numbers MIN MAX: clip the combined reward to [MIN, MAX] before the KL penalty.")
+    chat_template_path: str | None = arg(None,
+        "A chat template for --model's tokenizer (TRL's): a Jinja file, or a directory with a "
+        "tokenizer whose template to take, e.g. one with tool support for --tools.")
     chat_template_kwargs: dict | str | None = arg(None, JSON_OBJECT,
         'JSON dict of extra arguments for the chat template, e.g. \'{"enable_thinking": false}\'.')
     shuffle_dataset: bool = arg(True,
         "Shuffle prompts (seeded; reshuffled each epoch).")
+    # multi-turn (environments.py)
+    environment: str | None = arg(None,
+        "FILE.py:FACTORY: an environment the model talks to between its turns (FACTORY(row) -> "
+        "an object with step(text) -> (reply, done), optionally reset() -> prompt), or lookup "
+        "(the embedded task, its string shown only to a model that asks).")
+    tools: str | None = arg(None,
+        "FILE.py:fn_a,fn_b: tools the model may call (type-hinted, with docstrings; sync or "
+        "async), their schemas given to the chat template, each call's result a tool message.")
+    max_tool_calls: int = arg(10, at_least(1),
+        "Most tool calls in one trajectory; a call beyond them ends it.")
+    environment_timeout: float = arg(60.0, greater_than(0),
+        "Seconds one environment step or tool call may take; longer ends that trajectory with "
+        "an error turn (counted in environment/failure_frequency or tools/failure_frequency).")
+    max_trajectory_length: int | None = arg(None, at_least(2),
+        "Most tokens in a trajectory, prompt and all turns (default: the model's context); a "
+        "reply that would pass it ends the trajectory as truncated.")
     # generation
     num_generations: int = arg(2, at_least(2),
         "G: completions sampled per prompt (>= 2, the leave-one-out group).")
     max_completion_length: int = arg(256, at_least(1),
-        "Most tokens generated per completion; one that ends without EOS is truncated.")
+        "Most tokens generated per completion (multi-turn: by the model, over all its turns); one "
+        "that ends without EOS is truncated.")
     steps_per_generation: int | None = arg(None, at_least(1),
         "Micro-batches of per_device_train_batch_size in one generated batch (TRL's; default "
         "gradient_accumulation_steps, a multiple of it): each gradient_accumulation_steps of them "
@@ -469,6 +490,9 @@ EMBEDDED_PRESET = dict(
 EMBEDDED_LORA_PRESET = dict(lora_target_modules=["all-linear"], lora_modules_to_save=["lm_head"],
                             learning_rate=2e-3)
 
+# ... and with --environment lookup: room for two turns, a question and the 4 digits and EOS
+EMBEDDED_LOOKUP_PRESET = dict(max_completion_length=12)
+
 # Truncated importance sampling's cap for stale batches (Yao et al. 2025, "Your efficient RL
 # framework secretly brings you off-policy RL training", C = 2): weights above it are rare with one
 # step of staleness and would mostly add variance.
@@ -486,14 +510,19 @@ def parse_config(argv=None):
     lora_preset = ", ".join(f"{k}={v}" for k, v in EMBEDDED_LORA_PRESET.items())
     parser = HfArgumentParser(Config, description=DESCRIPTION, epilog=(
         f"Without --model the embedded preset applies (flags still override it): {preset}; with "
-        f"--use_peft also {lora_preset}"))
+        f"--use_peft also {lora_preset}; with --environment lookup also "
+        f"{', '.join(f'{k}={v}' for k, v in EMBEDDED_LOOKUP_PRESET.items())}"))
     # --help shows the defaults that hold with --model; the epilog lists the preset
     with_model = any(a == "--model" or a.startswith("--model=") for a in argv)
     if not with_model and not {"-h", "--help"} & set(argv):
         parser.set_defaults(**EMBEDDED_PRESET)
-    (cfg,) = parser.parse_args_into_dataclasses(argv)
-    if not with_model and cfg.use_peft and not {"-h", "--help"} & set(argv):
-        parser.set_defaults(**EMBEDDED_LORA_PRESET)
+    cfg, stray = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
+    if stray:  # argparse's own errors are one line already; a value without a flag is not
+        fail(f"{' '.join(stray)}: not a flag nor a flag's value; see --help")
+    extra = {**(EMBEDDED_LORA_PRESET if cfg.use_peft else {}),
+             **(EMBEDDED_LOOKUP_PRESET if cfg.environment == "lookup" else {})}
+    if not with_model and extra and not {"-h", "--help"} & set(argv):
+        parser.set_defaults(**extra)
         (cfg,) = parser.parse_args_into_dataclasses(argv)
     check_flags(cfg)  # before converting: a JSON flag must be valid JSON
     for name in JSON_FIELDS:
@@ -561,6 +590,7 @@ def check_config(cfg, world_size=1):
              "none (the embedded task has no eval split); pass --dataset or drop --eval_split")
     check_eval(cfg)
     check_logging(cfg)
+    check_multi_turn(cfg)
     if cfg.warmup_ratio and cfg.warmup_steps:
         fail("give one of warmup_ratio and warmup_steps")
     if cfg.cpu_offload and world_size == 1:
@@ -598,6 +628,20 @@ def generation_steps(cfg, world_size=1):
     if cfg.generation_batch_size:
         return max(1, cfg.generation_batch_size // (cfg.per_device_train_batch_size * world_size))
     return cfg.steps_per_generation or cfg.gradient_accumulation_steps
+
+
+def check_multi_turn(cfg):
+    """--environment and --tools: one of them; lookup is the embedded task's. (And
+    --chat_template_path, which a tool run often needs.)"""
+    path = cfg.chat_template_path
+    if path and (cfg.model is None or not os.path.exists(path)):
+        fail(f"--chat_template_path {path}: " + ("it applies to a model loaded with --model"
+             if cfg.model is None else "no such file or directory"))
+    if cfg.environment and cfg.tools:
+        fail("give one of --environment and --tools (a tool loop is an environment of its own)")
+    if cfg.environment == "lookup" and cfg.model is not None:
+        fail("--environment lookup is the embedded task's (it reads its target column); drop "
+             "--model, or give an environment of your own (FILE.py:FACTORY)")
 
 
 def check_eval(cfg):

@@ -63,7 +63,7 @@ def evaluate_set(cfg, generator, dataset, rewards, model, step):
             aux = sum(rollout.forward_logps(model, batch, mb, cfg.temperature, router_aux=True)[3]
                       for mb in mbs) / len(mbs)
         chunks.append({"rewards_per_func": rewards_per_func.T,
-                       "lengths": batch.completion_mask.sum(-1).float(),
+                       "lengths": batch.model_tokens().sum(-1).float(),
                        "truncated": batch.truncated.float(), "valid": valid,
                        "loss": loss.reshape(1), "aux_loss": aux.reshape(1).float().cpu()})
     columns = distributed.gather({k: torch.cat([c[k] for c in chunks], -1).to(valid.device)

@@ -74,17 +74,37 @@ def generation_metrics(columns, names, weights, G):
     return m
 
 
+def turn_metrics(columns):
+    """Multi-turn trajectories over the gathered batch (TRL's tools/ names): model turns, tool
+    calls per trajectory and the failed share of them, environment failures per trajectory, the
+    share of completion tokens the environment wrote, and the model's tokens per turn."""
+    calls = columns["tool_calls"].sum()
+    return {"turns/mean": columns["turns"].mean().item(),
+            "turns/max": columns["turns"].max().item(),
+            "turns/mean_length": (columns["lengths"].sum() / columns["turns"].sum()).item(),
+            "tools/call_frequency": columns["tool_calls"].mean().item(),
+            "tools/failure_frequency": (columns["tool_failures"].sum() / calls).item()
+            if calls > 0 else 0.0,
+            "environment/failure_frequency": columns["env_failures"].mean().item(),
+            "completions/environment_token_fraction":
+                (1 - columns["lengths"].sum() / columns["all_tokens"].sum()).item()}
+
+
 def batch_metrics(cfg, batch, scores, rewards, timings):
     """A generated batch's metrics over all ranks (README 'Metrics'), and its prompt + completion
     tokens. batch: a Rollout; scores: train.Scores; rewards: rewards.RewardFunctions."""
+    lengths = batch.model_tokens().sum(-1).float()  # multi-turn: the model's tokens only
     columns = distributed.gather({  # [world * B] each
         "rewards_per_func": scores.rewards_per_func.T, "rewards": scores.rewards,
-        "lengths": batch.completion_mask.sum(-1).float(), "truncated": batch.truncated.float(),
+        "lengths": lengths, "truncated": batch.truncated.float(),
         "kl_sums": scores.kl_sums, "loss_tokens": scores.loss_mask.sum(-1),
-        "tokens": (batch.prompt_mask.sum(-1) + batch.completion_mask.sum(-1)).float()})
+        "tokens": batch.prompt_mask.sum(-1).float() + lengths,
+        "all_tokens": batch.completion_mask.sum(-1).float(), **(batch.turn_stats or {})})
     columns["rewards_per_func"] = columns["rewards_per_func"].T  # [world * B, K]
     weights = rewards.weights.to(columns["rewards"].device)
     metrics = generation_metrics(columns, rewards.names, weights, cfg.num_generations)
+    if batch.turn_stats is not None:
+        metrics.update(turn_metrics(columns))
     metrics.update({**timings, **batch.timings, **scores.timings,
                     **logged_metrics(batch.logged_metrics)})
     generated = columns["lengths"].sum().item()

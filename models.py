@@ -34,7 +34,12 @@ def load_pretrained(cfg, vision=False):
         init_kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4",
             bnb_4bit_compute_dtype=torch.bfloat16 if cfg.bf16 else torch.float32)
-    return load_model(cfg.model, vision, init_kwargs, cfg.trust_remote_code)
+    model, tokenizer = load_model(cfg.model, vision, init_kwargs, cfg.trust_remote_code)
+    if cfg.chat_template_path:  # TRL's: a Jinja file, or a tokenizer directory with a template
+        path = cfg.chat_template_path
+        tokenizer.chat_template = (open(path).read() if os.path.isfile(path) else
+                                   AutoTokenizer.from_pretrained(path).chat_template)
+    return model, tokenizer
 
 
 def load_model(name, vision=False, init_kwargs=None, trust_remote_code=False):

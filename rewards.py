@@ -408,6 +408,8 @@ class RewardFunctions:
         prompts = repeat_each(rollout.rows["prompt"], G)
         completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
                        for p, t in zip(prompts, rollout.texts)]
+        if rollout.turns is not None:  # multi-turn: the conversation after the prompt
+            completions = rollout.turns
         columns = {c: repeat_each(v, G) for c, v in rollout.rows.items() if c != "prompt"}
         logged = {}  # column -> values, one per completion
 

@@ -66,6 +66,18 @@ class Rollout:
     # what reward functions logged (TRL's log_extra, log_metric): column -> B values, name -> values
     logged_columns: dict = field(default_factory=dict)
     logged_metrics: dict = field(default_factory=dict)
+    # multi-turn (environments.py): [B, T] 1 where the model sampled the token, 0 where the
+    # environment wrote it; B turn lists (the reward functions' completions); {name: [B]} counts
+    generated_mask: torch.Tensor | None = None
+    turns: list | None = None
+    turn_stats: dict | None = None
+
+    def model_tokens(self):
+        """[B, T] the completion tokens the model sampled: the only ones in s_i, the KL, the
+        entropy and the lengths (environment tokens are context)."""
+        if self.generated_mask is None:
+            return self.completion_mask
+        return self.completion_mask * self.generated_mask
 
     def take(self, index):
         """The completions at index (a list of row numbers) as a Rollout of their own; rows keeps
@@ -84,6 +96,8 @@ class Rollout:
         values["rows"] = {k: [v[i // G] for i in prompts] for k, v in self.rows.items()}
         values["logged_columns"] = {k: [v[i] for i in index]
                                     for k, v in self.logged_columns.items()}
+        if self.turn_stats is not None:
+            values["turn_stats"] = {k: v[picked.to(v.device)] for k, v in self.turn_stats.items()}
         values["timings"] = {}
         return Rollout(**values)
 
@@ -103,6 +117,8 @@ def concat(rollouts, pad_id):
                               for k in keys}
         elif isinstance(parts[0], list):
             values[f.name] = [v for p in parts for v in p]
+        elif f.name == "turn_stats" and parts[0] is not None:
+            values[f.name] = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
         elif isinstance(parts[0], torch.Tensor) and parts[0].dim() == 2:
             value = pad_id if f.name.endswith("_ids") else 0
             values[f.name] = pad(parts, value, left=f.name.startswith("prompt"))
@@ -122,6 +138,11 @@ def is_conversational(prompt):
     """A conversational prompt is a list of {"role", "content"} messages; a standard one a
     string."""
     return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
+
+
+def is_token_ids(prompt):
+    """A prompt given as token ids (environments.py continues a trajectory this way)."""
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(x, int) for x in prompt)
 
 
 def repeat_each(values, G):
@@ -153,6 +174,8 @@ def tokenize_prompts(tokenizer, prompts, chat_template_kwargs=None):
     """Prompt token ids as TRL makes them: a conversation gets the chat template, which writes its
     own special tokens; a standard string gets the tokenizer's (BOS for Llama, Gemma or Mistral,
     nothing for Qwen or SmolLM2)."""
+    if prompts and all(is_token_ids(p) for p in prompts):  # a multi-turn trajectory so far
+        return [list(p) for p in prompts]
     texts = prompt_texts(tokenizer, prompts, chat_template_kwargs)
     standard = [not is_conversational(p) for p in prompts]
     ids = {}
@@ -254,9 +277,11 @@ class DecodeLoop:
         self.cfg, self.model, self.tokenizer, self.processor = cfg, model, tokenizer, processor
         self.device = device
 
-    def generate(self, rows, seed=None):
-        model, cfg = self.model, self.cfg
-        return generate(model, self.tokenizer, rows, cfg, self.device, self.processor, seed)
+    def generate(self, rows, seed=None, cfg=None):
+        """cfg: this call's settings, if not the run's (a multi-turn turn: one sample per
+        trajectory, the budget it has left)."""
+        return generate(self.model, self.tokenizer, rows, cfg or self.cfg, self.device,
+                        self.processor, seed)
 
     def push_weights(self):
         pass

@@ -38,6 +38,7 @@ from transformers import get_scheduler  # noqa: E402
 import checkpoint  # noqa: E402
 import data  # noqa: E402
 import distributed  # noqa: E402
+import environments  # noqa: E402
 import lora  # noqa: E402
 import models  # noqa: E402
 import rollout  # noqa: E402
@@ -92,15 +93,32 @@ def start_generator(cfg, model, tokenizer, processor, dataset, device):
     """The generator, chosen once: our decode loop over the policy, or vLLM colocated or as a
     server (it pushes the new weights, and wakes and sleeps, inside each call). Each has
     generate(rows, seed) -> Rollout, push_weights() and close()."""
+    turns, context = cfg.environment or cfg.tools, environments.context_length(cfg, model)
     if cfg.use_vllm:
         max_images = data.max_images_per_row(dataset) if processor else 0
         longest = None if processor else data.longest_prompt(dataset, tokenizer, cfg)  # images add
-        max_model_len = longest and longest + cfg.max_completion_length
+        max_model_len = context if turns else longest and longest + cfg.max_completion_length
         generator = vllm_rollout.make_generator(cfg, model, tokenizer, processor, device,
                                                 max_images, max_model_len)
     else:
         generator = rollout.DecodeLoop(cfg, model, tokenizer, processor, device)
+    if turns:  # the generator samples each turn of multi-turn trajectories
+        eos_ids = rollout.eos_token_ids(tokenizer, model, cfg)
+        generator = environments.multi_turn(cfg, generator, tokenizer, processor, eos_ids,
+                                            context)
     torch.manual_seed(cfg.seed + distributed.rank())  # each rank samples its own completions
+    return generator
+
+
+def start_eval_generator(cfg, model, tokenizer, processor, device):
+    """Evaluation samples with our decode loop (num_generations_eval per prompt), multi-turn
+    like training."""
+    eval_cfg = eval_config(cfg)
+    generator = rollout.DecodeLoop(eval_cfg, model, tokenizer, processor, device)
+    if eval_cfg.environment or eval_cfg.tools:
+        eos_ids = rollout.eos_token_ids(tokenizer, model, cfg)
+        generator = environments.multi_turn(eval_cfg, generator, tokenizer, processor, eos_ids,
+                                            environments.context_length(cfg, model))
     return generator
 
 
@@ -170,7 +188,7 @@ def old_logps_from_sampler(cfg, vision=False):
 def score(cfg, batch, rewards, model, ref_model, step):
     """Rewards, KL-shaped rewards and leave-one-out advantages of one Rollout -> Scores."""
     G, timings = cfg.num_generations, {}
-    loss_mask = batch.completion_mask.float()  # [B, T]
+    loss_mask = batch.model_tokens().float()  # [B, T]; multi-turn: not the environment's
     if cfg.mask_truncated_completions:  # no gradient and no KL; they still count in the baselines
         loss_mask = loss_mask * (~batch.truncated).float()[:, None]
     with timed(timings, "time/rewards"):  # R = sum_k w_k R_k over the functions that scored
@@ -368,7 +386,7 @@ def finish(cfg, model, saver, stopped, step, logger):
 # ---------------------------------------------------------------------------------------------
 
 def main(argv=None):
-    cfg = parse_config(argv)
+    cfg = environments.with_tools(parse_config(argv))  # --tools: their schemas in the template
     device = distributed.setup_distributed(cfg.ddp_timeout)
     check_config(cfg, distributed.world_size())
     checkpoint.check_output_dir(cfg)
@@ -377,7 +395,7 @@ def main(argv=None):
         cfg, dataset, eval_sets, vision, device)
     rewards = load_rewards(cfg, device)
     generator = start_generator(cfg, model, tokenizer, processor, dataset, device)
-    eval_generator = rollout.DecodeLoop(eval_config(cfg), model, tokenizer, processor, device)
+    eval_generator = start_eval_generator(cfg, model, tokenizer, processor, device)
     optimizer, scheduler, total_steps = make_optimization(cfg, model, dataset, device)
     rewards.max_steps, rewards.steps_per_epoch = total_steps, steps_per_epoch(cfg, dataset)
     # a TrainerState: step 0, or the checkpoint resumed from

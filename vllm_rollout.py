@@ -63,13 +63,14 @@ class VLLMGenerator:
         self.engine, self.stale = engine, True
         register_optimizer_step_post_hook(lambda *args: setattr(self, "stale", True))
 
-    def generate(self, rows, seed=None):
-        """rows -> Rollout of G completions per prompt; the push's seconds in timings."""
+    def generate(self, rows, seed=None, cfg=None):
+        """rows -> Rollout of G completions per prompt; the push's seconds in timings. cfg: this
+        call's settings, if not the run's (a multi-turn turn)."""
         timings = {}
         if not self.cfg.async_generation:  # async: batches.py pushes between steps
             with timed(timings, "time/weight_sync"):
                 self.push_weights()
-        rollout = self.sample_rows(rows, seed)
+        rollout = self.sample_rows(rows, seed, cfg or self.cfg)
         rollout.timings = timings
         return rollout
 
@@ -81,10 +82,10 @@ class VLLMGenerator:
     def close(self):
         self.engine.close()
 
-    def sample_rows(self, rows, seed):
+    def sample_rows(self, rows, seed, cfg):
         """The rows' prompts through the engine. Vision-language: the images go with the prompt (see
         sample); the trainer's prompt ids and pixel inputs come from the processor either way."""
-        cfg, G, processor = self.cfg, self.cfg.num_generations, self.processor
+        G, processor = cfg.num_generations, self.processor
         images = row_images(rows) if processor is not None else None
         if images is None:
             options = cfg.chat_template_kwargs
@@ -102,23 +103,22 @@ class VLLMGenerator:
             sampling["seed"] = seed
         samples = self.engine.sample(rows["prompt"], prompt_lists, images, sampling)
         if images is None:
-            return self.rollout(rows, prompt_lists, samples)
+            return self.rollout(rows, prompt_lists, samples, G)
         rows_inputs = pixel_inputs_for(processor, rows["prompt"], images, G, self.device,
                                        cfg.chat_template_kwargs)
         enc = rows_inputs(slice(None, None, G))  # one row per prompt, placeholders expanded
         expanded = [ids[mask.bool()].tolist() for ids, mask in zip(enc["input_ids"],
                                                                     enc["attention_mask"])]
-        rollout = self.rollout(rows, expanded, samples)
+        rollout = self.rollout(rows, expanded, samples, G)
         rollout.pixel_inputs = rows_inputs
         rollout.suppressed_ids = torch.tensor(image_token_ids(processor), device=self.device)
         return rollout
 
-    def rollout(self, rows, prompt_lists, samples):
+    def rollout(self, rows, prompt_lists, samples, G):
         """vLLM's per-sample lists -> Rollout. samples: B (token ids, log-probs or None) pairs, a
         group's adjacent; sample i's prompt is prompt_lists[i // G]."""
         pad_id = self.tokenizer.pad_token_id
-        prompt_ids, prompt_mask = prompt_tensors(prompt_lists, pad_id, self.cfg.num_generations,
-                                                 self.device)  # [B, L]
+        prompt_ids, prompt_mask = prompt_tensors(prompt_lists, pad_id, G, self.device)  # [B, L]
         completion_ids = pad([ids for ids, _ in samples], pad_id).to(self.device)  # [B, T]
         sampler_logps = None
         if samples[0][1] is not None:

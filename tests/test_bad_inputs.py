@@ -44,6 +44,7 @@ FLAG_CASES = [  # (flags, what the line must say); marked "ours" where the issue
     (["--top_p", "2"], "--top_p 2.0: must be in (0, 1]"),
     (["--top_p", "nan"], "--top_p nan: must be in (0, 1]"),
     (["--max_steps", "-5"], "--max_steps -5: must be -1 (run num_train_epochs) or >= 1"),
+    (["--max_steps", "3", "false"], "false: not a flag nor a flag's value"),  # a flag lost, its value left
     (["--num_train_epochs", "0"], "--num_train_epochs 0.0: must be > 0"),
     (["--beta", "nan"], "--beta nan: must be >= 0"),
     (["--reward_weights", "nan"], "--reward_weights nan: must be finite"),

@@ -422,7 +422,8 @@ def test_gradient_checkpointing_and_bf16_change_memory_not_math():
     (True, ["--use_peft", "--lora_target_modules", "all-linear"]),  # the checkpoint holds the adapter only
     (False, ["--sync_ref_model", "--ref_model_sync_steps", "3", "--ref_model_mixup_alpha", "0.5"]),  # and the ref
     (True, ["--dynamic_sampling"]),  # the data position is saved, not derived from the step
-], ids=["one", "fsdp", "fsdp-lora", "sync-ref", "fsdp-dynamic"])
+    (False, ["--environment", "lookup"]),  # multi-turn: each turn's samples are the resumed run's
+], ids=["one", "fsdp", "fsdp-lora", "sync-ref", "fsdp-dynamic", "multi-turn"])
 def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path, torchrun, flags):
     """Killed for real (SIGKILL to every process) after a checkpoint, resumed with `latest`: the metrics of every
     later step equal those of a run that never stopped. Under torchrun the sharded checkpoint is read back."""

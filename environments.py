@@ -1,0 +1,293 @@
+"""Multi-turn rollouts: the model talks to an environment (a game, a tutor, a verifier that answers
+back, tools) between its turns, and the whole trajectory is one RLOO action.
+
+Interface (README 'Multi-turn: tools and environments'): --environment FILE.py:make_env names a
+factory called once per trajectory with its dataset row (a dict of the row's columns) that returns
+an object with
+    step(text) -> (reply, done)    after each model turn: text is the turn, decoded;
+    reset() -> prompt or None      optional, before the first turn: a prompt that replaces the row's
+reply is a list of messages for conversational prompts (rendered by the chat template, e.g.
+{"role": "tool", ...} or {"role": "user", ...}) and a string for standard ones (appended as is).
+The trajectory ends when step says done, when the model's token budget (max_completion_length over
+all turns) is spent, or when the next reply would not fit in max_trajectory_length (truncated).
+
+The trajectory is prompt, model turn, reply, model turn, ...: every token after the prompt is in the
+Rollout's completion, and `generated_mask` says which ones the model sampled. Only those enter the
+sequence log-prob s_i, the KL, the entropy and the lengths; the replies are context (paper §3: the
+trajectory is one action, its log-prob the sum over the model's own tokens).
+"""
+import concurrent.futures
+import dataclasses
+
+import torch
+
+import tools
+from config import fail
+from rollout import Rollout, is_conversational, pad, prompt_tensors, repeat_each, tokenize_prompts
+
+
+# ---------------------------------------------------------------------------------------------
+# The embedded multi-turn task
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class LookupEnvironment:
+    """The embedded task with the string hidden: the prompt is "=" only, and the string is shown
+    ("4172=") only in answer to the model's first turn (its question, whatever it says), to be
+    copied in the second. One turn can only guess the digits (reward about 0.05)."""
+    target: str
+    asked: bool = False
+
+    def reset(self):
+        return "="
+
+    def step(self, text):
+        if self.asked:
+            return None, True
+        self.asked = True
+        return self.target + "=", False
+
+
+def lookup_environment(row):
+    return LookupEnvironment(row["target"])
+
+
+BUILTINS = {"lookup": lookup_environment}
+
+
+def load_environment(spec):
+    """--environment: a built-in name or FILE.py:FACTORY -> the factory. One line if it does not
+    load."""
+    if spec in BUILTINS:
+        return BUILTINS[spec]
+    source, _, name = spec.rpartition(":")
+    if not source.endswith(".py") or not name:
+        fail(f"--environment {spec}: give FILE.py:FACTORY or one of {sorted(BUILTINS)}")
+    factory = getattr(tools.import_file(source, "environment file"), name, None)
+    if not callable(factory):
+        fail(f"--environment {spec}: {source} has no callable {name!r}")
+    return factory
+
+
+# ---------------------------------------------------------------------------------------------
+# The turn loop over any generator
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Trajectory:
+    """One trajectory as it grows: its tokens after the prompt, which of them the model sampled
+    (1) or the environment wrote (0), the sampler's log-probs (0 at the environment's), its turns
+    as messages (what reward functions get as the completion) and the model tokens left."""
+    env: object
+    prompt: object  # str or messages: what the model saw first
+    prompt_ids: list
+    budget: int
+    ids: list = dataclasses.field(default_factory=list)
+    generated: list = dataclasses.field(default_factory=list)
+    logps: list = dataclasses.field(default_factory=list)
+    turns: list = dataclasses.field(default_factory=list)
+    done: bool = False
+    truncated: bool = False
+    env_failures: int = 0
+
+    def add(self, ids, generated, logps=None):
+        self.ids += ids
+        self.generated += [generated] * len(ids)
+        self.logps += logps if logps is not None else [0.0] * len(ids)
+
+
+# stands for an assistant turn's content, to find where the template closes the turn
+MARK = "\u2063rloo\u2063"
+
+
+def row_dicts(rows, G):
+    """{column: [P values]} -> B = P*G row dicts, each prompt's G adjacent."""
+    P = len(rows["prompt"])
+    return repeat_each([{k: v[p] for k, v in rows.items()} for p in range(P)], G)
+
+
+def turn_stats(trajectories, device):
+    """Per trajectory [B]: model turns, tool calls and failures (where the environment counts them,
+    as tools.ToolEnvironment does) and environment failures."""
+    def column(values):
+        return torch.tensor(values, dtype=torch.float, device=device)
+    return {"turns": column([sum(m["role"] == "assistant" for m in t.turns) for t in trajectories]),
+            "tool_calls": column([getattr(t.env, "tool_calls", 0) for t in trajectories]),
+            "tool_failures": column([getattr(t.env, "tool_failures", 0) for t in trajectories]),
+            "env_failures": column([t.env_failures for t in trajectories])}
+
+
+class MultiTurn:
+    """The generator interface (generate, push_weights, close) over an inner generator (DecodeLoop
+    or VLLMGenerator), which samples each turn: one call per turn over the trajectories still
+    going, each continuing from its own token ids, so every backend sees exactly the tokens the
+    trainer will score (vLLM's prefix cache re-uses the finished prefix; our decode loop computes
+    it again)."""
+
+    def __init__(self, cfg, generator, make_env, tokenizer, eos_ids, max_length):
+        self.cfg, self.generator, self.make_env = cfg, generator, make_env
+        self.tokenizer, self.eos_ids, self.max_length = tokenizer, set(eos_ids), max_length
+
+    def push_weights(self):
+        self.generator.push_weights()
+
+    def close(self):
+        self.generator.close()
+
+    def generate(self, rows, seed=None):
+        """rows -> Rollout of G trajectories per prompt, generated_mask marking the model's
+        tokens."""
+        G = self.cfg.num_generations
+        trajectories = [self.start(row) for row in row_dicts(rows, G)]
+        timings, turn = {}, 0
+        while active := [t for t in trajectories if not t.done]:
+            call_cfg = dataclasses.replace(self.cfg, num_generations=1,
+                                           max_completion_length=max(map(self.room, active)))
+            # each turn its own seed: the samples stay a function of (seed, turn, row)
+            turn_seed = None if seed is None else seed + 7919 * turn
+            out = self.generator.generate({"prompt": [t.prompt_ids + t.ids for t in active]},
+                                          turn_seed, cfg=call_cfg)
+            for key, value in out.timings.items():
+                timings[key] = timings.get(key, 0.0) + value
+            for j, t in enumerate(active):
+                ids = out.completion_lists[j][:self.room(t)]
+                logps = out.sampler_logps
+                self.model_turn(t, ids, None if logps is None else logps[j, :len(ids)].tolist())
+            turn += 1
+        rollout = self.rollout(rows, trajectories, out.sampler_logps is not None)
+        rollout.timings = timings
+        return rollout
+
+    def room(self, t):
+        """Tokens the model may still write in this turn: its budget, within the bound."""
+        return min(t.budget, self.max_length - len(t.prompt_ids) - len(t.ids))
+
+    def start(self, row):
+        """A trajectory's environment (from its row), its prompt and the prompt's tokens. A factory
+        or reset that raises stops the run with one line: no trajectory could start."""
+        try:
+            env = self.make_env(row)
+            prompt = env.reset() if hasattr(env, "reset") else None
+        except Exception as e:
+            fail(f"--environment {self.cfg.environment or self.cfg.tools}: making the environment "
+                 f"of a row raised {type(e).__name__}: {e}")
+        prompt = row["prompt"] if prompt is None else prompt
+        if self.cfg.tools and not is_conversational(prompt):
+            fail("--tools needs conversational prompts ([{'role': 'user', 'content': ...}]): tool "
+                 f"calls and results are chat messages; got {str(prompt)[:80]!r}")
+        (ids,) = tokenize_prompts(self.tokenizer, [prompt], self.cfg.chat_template_kwargs)
+        return Trajectory(env, prompt, ids, self.cfg.max_completion_length)
+
+    def model_turn(self, t, ids, logps):
+        """The model's turn into the trajectory, then the environment's answer to it, or the
+        end."""
+        t.add(ids, 1, logps)
+        t.budget -= len(ids)
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        t.turns.append({"role": "assistant", "content": text})
+        if not ids or ids[-1] not in self.eos_ids:  # the budget ran out inside the turn
+            t.done = t.truncated = True
+            return
+        reply, t.done = self.step(t, text)
+        if t.done:
+            return
+        reply_ids = self.reply_ids(t, text, reply, ids[-1])
+        if t.budget == 0 or len(t.prompt_ids) + len(t.ids) + len(reply_ids) >= self.max_length:
+            t.done = t.truncated = True  # no room for another model turn
+            return
+        t.add(reply_ids, 0)
+        t.turns += reply if isinstance(reply, list) else [{"role": "environment", "content": reply}]
+
+    def step(self, t, text):
+        """env.step(text) within --environment_timeout. An exception or a timeout ends this
+        trajectory with an error turn the reward functions see (counted in the metrics); a reply
+        of the wrong kind is a bug in the environment: one line."""
+        pool = concurrent.futures.ThreadPoolExecutor(1)  # not joined: a hung step is left behind
+        try:
+            result = pool.submit(t.env.step, text).result(timeout=self.cfg.environment_timeout)
+        except Exception as e:
+            t.env_failures += 1
+            why = ("did not return within --environment_timeout "
+                   f"{self.cfg.environment_timeout:g} s" if isinstance(e, TimeoutError)
+                   else f"raised {type(e).__name__}: {e}")
+            t.turns.append({"role": "environment", "content": f"error: step {why}"})
+            return None, True
+        finally:
+            pool.shutdown(wait=False)
+        kind = "a list of messages" if is_conversational(t.prompt) else "a string"
+        ok = isinstance(result, tuple) and len(result) == 2
+        reply, done = result if ok else (None, None)
+        if not ok or not (done or is_conversational(reply) == is_conversational(t.prompt)
+                          and (is_conversational(reply) or isinstance(reply, str))):
+            fail(f"--environment {self.cfg.environment}: step must return (reply, done) with "
+                 f"reply {kind} (or anything with done=True); got {str(result)[:200]}")
+        return reply, bool(done)
+
+    def reply_ids(self, t, text, reply, eos_id):
+        """The environment's tokens: a standard reply as the tokenizer encodes it; a conversational
+        one as the chat template renders it after the model's turn, i.e. the rest of the assistant
+        turn after the model's EOS, the reply's messages and the next generation prompt."""
+        tokenizer = self.tokenizer
+        if isinstance(reply, str):
+            return tokenizer(reply, add_special_tokens=False).input_ids
+        options = self.cfg.chat_template_kwargs or {}
+        render = lambda conversation, **kw: tokenizer.apply_chat_template(  # noqa: E731
+            conversation, tokenize=False, **options, **kw)
+        said = t.prompt + t.turns  # the model's turn is the last
+        before, after = render(said), render(said + reply, add_generation_prompt=True)
+        if not after.startswith(before):
+            fail("the chat template renders a conversation's beginning differently once it goes "
+                 "on (e.g. it drops earlier reasoning): multi-turn training needs a template "
+                 "whose rendering of a conversation extends that of its beginning")
+        opened = render(said[:-1], add_generation_prompt=True)
+        marked = render(said[:-1] + [{"role": "assistant", "content": MARK}])
+        closing = marked[marked.index(MARK) + len(MARK):] if marked.startswith(opened) else ""
+        eos_text = tokenizer.decode([eos_id])  # the model wrote this much of the closing itself
+        glue = closing[len(eos_text):] if closing.startswith(eos_text) else closing
+        return tokenizer(glue + after[len(before):], add_special_tokens=False).input_ids
+
+    def rollout(self, rows, trajectories, reported):
+        """The trajectories as one Rollout: prompts left-padded, trajectories right-padded."""
+        device, pad_id = self.generator.device, self.tokenizer.pad_token_id
+        prompt_ids, prompt_mask = prompt_tensors([t.prompt_ids for t in trajectories], pad_id, 1,
+                                                 device)
+        completion_ids = pad([t.ids for t in trajectories], pad_id).to(device)
+        completion_mask = pad([[1] * len(t.ids) for t in trajectories], 0).to(device)
+        generated = pad([t.generated for t in trajectories], 0).to(device)
+        logps = pad([t.logps for t in trajectories], 0.0).float().to(device) if reported else None
+        lists = [t.ids for t in trajectories]
+        rollout = Rollout(rows, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                          torch.tensor([t.truncated for t in trajectories], device=device), lists,
+                          self.tokenizer.batch_decode(lists, skip_special_tokens=True), logps,
+                          generated_mask=generated, turns=[t.turns for t in trajectories])
+        rollout.turn_stats = turn_stats(trajectories, device)
+        return rollout
+
+
+def context_length(cfg, model):
+    """The trajectory bound: --max_trajectory_length within the model's context."""
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 2**31
+    return min(cfg.max_trajectory_length or limit, limit)
+
+
+def with_tools(cfg):
+    """--tools: the functions load (one line if not) and their schemas join chat_template_kwargs,
+    so that every rendering of a prompt, the trainer's and the generator's, shows them."""
+    if not cfg.tools:
+        return cfg
+    schemas = tools.tool_schemas(tools.load_tools(cfg.tools))
+    return dataclasses.replace(cfg, chat_template_kwargs={**(cfg.chat_template_kwargs or {}),
+                                                          "tools": schemas})
+
+
+def multi_turn(cfg, generator, tokenizer, processor, eos_ids, max_length):
+    """The generator turned multi-turn by --environment or --tools."""
+    if processor is not None:
+        fail("--environment and --tools take text models; this run has images")
+    if cfg.tools:
+        funcs = tools.load_tools(cfg.tools)
+        style = tools.template_style(tokenizer)
+        factory = tools.tool_environment(funcs, style, cfg.max_tool_calls, cfg.environment_timeout)
+    else:
+        factory = load_environment(cfg.environment)
+    return MultiTurn(cfg, generator, factory, tokenizer, eos_ids, max_length)
