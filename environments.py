@@ -16,7 +16,6 @@ Rollout's completion, and `generated_mask` says which ones the model sampled. On
 sequence log-prob s_i, the KL, the entropy and the lengths; the replies are context (paper §3: the
 trajectory is one action, its log-prob the sum over the model's own tokens).
 """
-import concurrent.futures
 import dataclasses
 
 import torch
@@ -202,18 +201,15 @@ class MultiTurn:
         """env.step(text) within --environment_timeout. An exception or a timeout ends this
         trajectory with an error turn the reward functions see (counted in the metrics); a reply
         of the wrong kind is a bug in the environment: one line."""
-        pool = concurrent.futures.ThreadPoolExecutor(1)  # not joined: a hung step is left behind
-        try:
-            result = pool.submit(t.env.step, text).result(timeout=self.cfg.environment_timeout)
-        except Exception as e:
+        outcome = tools.in_thread(lambda: t.env.step(text), self.cfg.environment_timeout)
+        if "value" not in outcome:  # a hung step is abandoned in its daemon thread
             t.env_failures += 1
-            why = ("did not return within --environment_timeout "
-                   f"{self.cfg.environment_timeout:g} s" if isinstance(e, TimeoutError)
-                   else f"raised {type(e).__name__}: {e}")
+            e = outcome.get("error")
+            why = (f"raised {type(e).__name__}: {e}" if e else "did not return within "
+                   f"--environment_timeout {self.cfg.environment_timeout:g} s")
             t.turns.append({"role": "environment", "content": f"error: step {why}"})
             return None, True
-        finally:
-            pool.shutdown(wait=False)
+        result = outcome["value"]
         kind = "a list of messages" if is_conversational(t.prompt) else "a string"
         ok = isinstance(result, tuple) and len(result) == 2
         reply, done = result if ok else (None, None)

@@ -29,6 +29,7 @@ import torch
 from transformers import TrainerState
 
 import distributed
+import tools
 from config import fail
 from models import prepare_model
 from rollout import is_conversational, repeat_each
@@ -298,26 +299,15 @@ def print_user_traceback(error):
 
 
 def run_with_timeout(call, timeout):
-    """call() in this thread, or with a timeout in a daemon thread (a call that never returns cannot
-    be killed, only abandoned: a daemon thread does not hold the exit)."""
+    """call() in this thread, or with a timeout in a daemon thread (tools.in_thread)."""
     if timeout is None:
         return call()
-    result = {}
-
-    def target():
-        try:
-            result["value"] = call()
-        except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread)
-            result["error"] = e
-
-    thread = threading.Thread(target=target, daemon=True, name="rloo-reward")
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
+    outcome = tools.in_thread(call, timeout)
+    if not outcome:
         raise TimeoutError(f"did not return within --reward_timeout {timeout:g} s")
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def compute_rewards(funcs, prompts, completions, completion_ids, columns, timeout=None, **extra):

@@ -102,10 +102,7 @@ def start_generator(cfg, model, tokenizer, processor, dataset, device):
                                                 max_images, max_model_len)
     else:
         generator = rollout.DecodeLoop(cfg, model, tokenizer, processor, device)
-    if turns:  # the generator samples each turn of multi-turn trajectories
-        eos_ids = rollout.eos_token_ids(tokenizer, model, cfg)
-        generator = environments.multi_turn(cfg, generator, tokenizer, processor, eos_ids,
-                                            context)
+    generator = with_turns(cfg, generator, tokenizer, processor, model)
     torch.manual_seed(cfg.seed + distributed.rank())  # each rank samples its own completions
     return generator
 
@@ -115,11 +112,16 @@ def start_eval_generator(cfg, model, tokenizer, processor, device):
     like training."""
     eval_cfg = eval_config(cfg)
     generator = rollout.DecodeLoop(eval_cfg, model, tokenizer, processor, device)
-    if eval_cfg.environment or eval_cfg.tools:
-        eos_ids = rollout.eos_token_ids(tokenizer, model, cfg)
-        generator = environments.multi_turn(eval_cfg, generator, tokenizer, processor, eos_ids,
-                                            environments.context_length(cfg, model))
-    return generator
+    return with_turns(eval_cfg, generator, tokenizer, processor, model)
+
+
+def with_turns(cfg, generator, tokenizer, processor, model):
+    """With --environment or --tools the generator samples each turn of multi-turn trajectories."""
+    if not (cfg.environment or cfg.tools):
+        return generator
+    eos_ids = rollout.eos_token_ids(tokenizer, model, cfg)
+    return environments.multi_turn(cfg, generator, tokenizer, processor, eos_ids,
+                                   environments.context_length(cfg, model))
 
 
 def steps_per_batch(cfg):
