@@ -1,22 +1,21 @@
 """Benchmark: one named config, N steps; prints median seconds per phase, tokens/s, steps/s and peak
 memory.
 
-    python bench.py --config overhead                 # 0.15M params, G=4, 16 completions/step, <=
-    16 tokens python bench.py --config compute                  # 4.2M params, G=8, 64
-    completions/step, <= 64 tokens python bench.py --config compute --trainer trl    # the same work
-    with TRL's RLOOTrainer (pip install trl,
-                                                      # in another environment: it is not a
-                                                      dependency of rloo)
-    python bench.py --scaling                         # step time vs completion length and model
-    size torchrun --standalone --nproc_per_node=2 bench.py --config compute python bench.py --config
-    compute --use_vllm       # any other flag goes to train.py python bench.py --config smollm2
-    --use_peft       # LoRA (peft's default targets: q_proj, v_proj) python bench.py --config
-    compute --server_cores 1 [--async_generation]  # a vLLM server on core 1, trainer on 0 python
-    bench.py --config gpu --report gpu.json    # one GPU: the embedded default learns, then a
-    Qwen2.5-0.5B
-                                                      # shape (bf16, G=8, 64 prompts, 256 tokens):
-                                                      full, LoRA, # checkpointing, and TRL on the
-                                                      same work (--tiny: on CPU)
+    python bench.py --config overhead             # 0.15M params, G=4, 16 completions a step
+    python bench.py --config compute              # 4.2M params, G=8, 64 completions, <= 64 tokens
+    python bench.py --config compute --trainer trl  # the same work with TRL's RLOOTrainer (pip
+                                                  # install trl elsewhere: not a dependency)
+    python bench.py --scaling                     # step time vs completion length and model size
+    python bench.py --multi_turn --config compute  # 4-turn generation, KV cache kept or not
+    torchrun --standalone --nproc_per_node=2 bench.py --config compute
+    python bench.py --config compute --use_vllm   # any other flag goes to train.py
+    python bench.py --config smollm2 --use_peft   # LoRA (peft's default targets: q_proj, v_proj)
+    python bench.py --config compute --server_cores 1 [--async_generation]  # a vLLM server on
+                                                  # core 1, the trainer on core 0
+    python bench.py --config gpu --report gpu.json  # one GPU: the embedded default learns, then a
+                                                  # Qwen2.5-0.5B shape (bf16, G=8, 64 prompts,
+                                                  # 256 tokens): full, LoRA, checkpointing, and
+                                                  # TRL on the same work (--tiny: on CPU)
 
 Both trainers load the same model directory (built from a config with a fixed seed and saved once),
 the same prompts, G, batch, max_completion_length, beta=0.05, temperature 1, fp32, constant learning
@@ -250,6 +249,9 @@ def main():
     parser.add_argument("--max_completion_length", type=int, help="override the config's")
     parser.add_argument("--scaling", action="store_true",
                         help="a table: completion length 16/64/256 x model size")
+    parser.add_argument("--multi_turn", action="store_true",
+                        help="generation over 4-turn trajectories, each trajectory's KV cache kept "
+                        "from turn to turn or not")
     parser.add_argument("--server_cores",
                         help="start a vLLM server pinned to these cores (taskset list, e.g. 1) and "
                         "generate with it; the trainer stays on --trainer_cores")
@@ -267,6 +269,8 @@ def main():
                      "least 4")
     if args.scaling:
         return scaling(args.steps)
+    if args.multi_turn:
+        return multi_turn(CONFIGS[args.config], args.steps)
     if args.config == "gpu" and args.variant is None:
         return gpu_suite(args, extra)
     c = dict(CONFIGS[args.config])
@@ -403,6 +407,50 @@ def scaling(num_steps):
                   f"{med['time/generation']:.3f} | "
                   f"{med['time/generation'] / med['completions/max_length'] * 1000:.2f} ms | "
                   f"{med['time/forward_backward'] + med['time/optimizer']:.3f} |", flush=True)
+
+
+class Replies:
+    """--multi_turn's environment: the same 31-token reply to each of three model turns."""
+    def __init__(self):
+        self.turns = 0
+
+    def step(self, text):
+        self.turns += 1
+        return "1234567890" * 3 + "=", self.turns == 4
+
+
+def multi_turn(c, num_steps):
+    """Our decode loop alone over 4-turn trajectories of the config's model (random; prompts of 256
+    tokens, replies of 31, turns ending at one of 16 stop tokens, so about 16 tokens each): each
+    trajectory's KV cache kept from turn to turn (DecodeSession) against every turn decoded afresh
+    from the whole trajectory. Median seconds per batch of the config's size."""
+    import environments
+    import rollout
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = build_model(tempfile.mkdtemp(prefix="bench-model-"), c["model"] or TINY)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    cfg = train.parse_config(["--num_generations", str(c["num_generations"]), "--bf16", "false",
+                              "--max_completion_length", "64", "--generation_kwargs",
+                              json.dumps({"stop_token_ids": list(range(12, 28))})])
+    loop = rollout.DecodeLoop(cfg, model, tokenizer, None, torch.device("cpu"))
+    eos_ids = rollout.eos_token_ids(tokenizer, model, cfg)
+    g = torch.Generator().manual_seed(0)
+    rows = {"prompt": torch.randint(12, 256, (c["batch"] // c["num_generations"], 256),
+                                    generator=g).tolist()}
+    for name, generator in [("kept", loop), ("afresh", argparse.Namespace(
+            generate=loop.generate, device=loop.device))]:
+        turn_loop = environments.MultiTurn(cfg, generator, lambda row: Replies(), tokenizer,
+                                           eos_ids, 512)
+        times = []
+        for step in range(num_steps):
+            start = time.perf_counter()
+            batch = turn_loop.generate(rows, seed=step)
+            times.append(time.perf_counter() - start)
+        print(f"{name:7s} {statistics.median(times[3:]):.3f} s per batch of {c['batch']} "
+              f"(turns {batch.turn_stats['turns'].mean():.2f}, model tokens "
+              f"{batch.model_tokens().sum(-1).float().mean():.1f} a trajectory)", flush=True)
 
 
 if __name__ == "__main__":

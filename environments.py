@@ -22,7 +22,8 @@ import torch
 
 import tools
 from config import fail
-from rollout import Rollout, is_conversational, pad, prompt_tensors, repeat_each, tokenize_prompts
+from rollout import (Rollout, is_conversational, micro_batches, pad, prompt_tensors, repeat_each,
+                     tokenize_prompts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,8 +121,8 @@ class MultiTurn:
     """The generator interface (generate, push_weights, close) over an inner generator (DecodeLoop
     or VLLMGenerator), which samples each turn: one call per turn over the trajectories still
     going, each continuing from its own token ids, so every backend sees exactly the tokens the
-    trainer will score (vLLM's prefix cache re-uses the finished prefix; our decode loop computes
-    it again)."""
+    trainer will score. Neither computes a finished prefix again: vLLM's prefix cache, and our
+    decode loop's session (DecodeSession), keep it."""
 
     def __init__(self, cfg, generator, make_env, tokenizer, eos_ids, max_length):
         self.cfg, self.generator, self.make_env = cfg, generator, make_env
@@ -135,27 +136,38 @@ class MultiTurn:
 
     def generate(self, rows, seed=None):
         """rows -> Rollout of G trajectories per prompt, generated_mask marking the model's
-        tokens."""
-        G = self.cfg.num_generations
-        trajectories = [self.start(row) for row in row_dicts(rows, G)]
-        timings, turn = {}, 0
-        while active := [t for t in trajectories if not t.done]:
+        tokens. Our decode loop runs the turns of --generation_chunk_size trajectories at a time
+        (0: all), each chunk a session that keeps its KV cache from turn to turn."""
+        trajectories = [self.start(row) for row in row_dicts(rows, self.cfg.num_generations)]
+        B, timings, session = len(trajectories), {}, getattr(self.generator, "session", None)
+        size = (self.cfg.generation_chunk_size if session else 0) or B
+        reported = [self.turns(session(range(B)[chunk]) if session else self.generator,
+                               trajectories, range(B)[chunk], seed, timings)
+                    for chunk in micro_batches(B, size)]
+        rollout = self.rollout(rows, trajectories, all(reported))
+        rollout.timings = timings
+        return rollout
+
+    def turns(self, generator, trajectories, chunk, seed, timings):
+        """All turns of trajectories[chunk]: one call per turn over those still going, each
+        trajectory named by its index. -> whether the generator reported its log-probs"""
+        turn = 0
+        while active := [i for i in chunk if not trajectories[i].done]:
+            going = [trajectories[i] for i in active]
             call_cfg = dataclasses.replace(self.cfg, num_generations=1,
-                                           max_completion_length=max(map(self.room, active)))
-            # each turn its own seed: the samples stay a function of (seed, turn, row)
+                                           max_completion_length=max(map(self.room, going)))
+            # each turn its own seed: the samples stay a function of (seed, turn, trajectory)
             turn_seed = None if seed is None else seed + 7919 * turn
-            out = self.generator.generate({"prompt": [t.prompt_ids + t.ids for t in active]},
-                                          turn_seed, cfg=call_cfg)
+            out = generator.generate({"prompt": [t.prompt_ids + t.ids for t in going],
+                                      "trajectory": active}, turn_seed, cfg=call_cfg)
             for key, value in out.timings.items():
                 timings[key] = timings.get(key, 0.0) + value
-            for j, t in enumerate(active):
+            for j, t in enumerate(going):
                 ids = out.completion_lists[j][:self.room(t)]
                 logps = out.sampler_logps
                 self.model_turn(t, ids, None if logps is None else logps[j, :len(ids)].tolist())
             turn += 1
-        rollout = self.rollout(rows, trajectories, out.sampler_logps is not None)
-        rollout.timings = timings
-        return rollout
+        return out.sampler_logps is not None
 
     def room(self, t):
         """Tokens the model may still write in this turn: its budget, within the bound."""

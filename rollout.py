@@ -25,7 +25,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 from transformers import (DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList,
                           StaticCache)
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, StaticLayer
 from transformers.generation.logits_process import (
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
@@ -153,7 +153,8 @@ def repeat_each(values, G):
 def pad(pieces, value, left=False):
     """Rows of different lengths (id lists, or [b, t] tensors) -> one [rows, longest] tensor padded
     with value, on the left (prompts, so that each ends where generation starts) or the right."""
-    pieces = [p if isinstance(p, torch.Tensor) else torch.tensor([p]) for p in pieces]
+    pieces = [p if isinstance(p, torch.Tensor) else torch.tensor([p], dtype=None if p else int)
+              for p in pieces]
     width = max(p.shape[1] for p in pieces)
     return torch.cat([F.pad(p, (width - p.shape[1], 0) if left else (0, width - p.shape[1]),
                             value=value) for p in pieces])
@@ -283,6 +284,10 @@ class DecodeLoop:
         return generate(self.model, self.tokenizer, rows, cfg or self.cfg, self.device,
                         self.processor, seed)
 
+    def session(self, rows):
+        """Multi-turn: this generator for the turns of trajectories `rows` (a range)."""
+        return DecodeSession(self, rows)
+
     def push_weights(self):
         pass
 
@@ -290,12 +295,62 @@ class DecodeLoop:
         pass
 
 
+@dataclass
+class DecodeSession:
+    """DecodeLoop's generate over the turns of trajectories `rows`, each keeping its KV cache from
+    one call to the next: rows["trajectory"] names each prompt's trajectory, whose token ids extend
+    what it was given and sampled before, so a turn computes only the new tokens (the environment's
+    reply), as vLLM's prefix cache does. The rows of trajectories that ended leave the cache, but
+    with --compile_decode they sit the turn out (a new batch size would compile again). A model
+    whose cache cannot keep them (sliding windows, recurrent layers) decodes each turn afresh. The
+    samples are a function of (seed, trajectory)."""
+    loop: DecodeLoop
+    rows: range
+    static: bool | None = None  # as decode's (None: on a GPU or when compiling)
+    state: "Decoding | None" = None
+    members: list = field(default_factory=list)  # the trajectory of each of the state's rows
+
+    def generate(self, rows, seed=None, cfg=None):
+        loop, index = self.loop, [i - self.rows.start for i in rows["trajectory"]]
+        return generate(loop.model, loop.tokenizer, rows, cfg or loop.cfg, loop.device, seed=seed,
+                        decoder=lambda *args: self.decode(*args, index))
+
+    def decode(self, model, prompt_ids, prompt_mask, cfg, eos_ids, pad_id, seed, index):
+        keys = row_keys(seed, self.rows.stop, prompt_ids.device)[self.rows.start:]
+        if self.state is None:
+            columns = prompt_ids.shape[1] + cfg.max_completion_length
+            self.state = new_decoding(model, len(index), columns, self.static, pad_id,
+                                      prompt_ids.device, cfg)
+            self.members = list(index)
+        if not self.state.reusable():
+            return decode(model, prompt_ids, prompt_mask, cfg, eos_ids, pad_id, keys[index])
+        if index != self.members and not cfg.compile_decode:
+            self.state.fit(0, [self.members.index(i) for i in index])
+            self.members = list(index)
+        state, new = self.state, {i: [] for i in self.members}  # tokens not yet in the cache
+        cached = own_tokens(state.ids[:, :state.filled], state.mask[:, :state.filled])
+        for i, ids in zip(index, own_tokens(prompt_ids, prompt_mask)):
+            row = self.members.index(i)
+            assert ids[:len(cached[row])] == cached[row], "a turn's prompt extends its trajectory"
+            new[i] = ids[len(cached[row]):]
+            if not new[i]:  # an empty reply: the last token again, its cached column hidden
+                state.mask[row, state.mask[row, :state.filled].nonzero()[-1]] = 0
+                new[i] = cached[row][-1:]
+        block_ids, block_mask = prompt_tensors(list(new.values()), pad_id, 1, prompt_ids.device)
+        ids, logps = decode(model, block_ids, block_mask, cfg, eos_ids, pad_id,
+                            keys[self.members], state=self.state)
+        rows = [self.members.index(i) for i in index]
+        return ids[rows], logps[rows]
+
+
 @torch.no_grad()
-def generate(model, tokenizer, rows, cfg, device, processor=None, seed=None):
+def generate(model, tokenizer, rows, cfg, device, processor=None, seed=None,
+             decoder=None):
     """cfg.num_generations completions for each of rows["prompt"] (strings or conversations) ->
     Rollout. Vision-language: the rows' image columns go through `processor` with the texts. The
     samples of text models are a function of seed and of each row (None: drawn from torch's RNG),
-    so decoding in chunks of --generation_chunk_size rows gives the samples of one call."""
+    so decoding in chunks of --generation_chunk_size rows gives the samples of one call.
+    decoder: decode_in_chunks' stand-in (a DecodeSession's)."""
     G, pad_id = cfg.num_generations, tokenizer.pad_token_id
     eos_ids, cfg = eos_token_ids(tokenizer, model, cfg), with_bad_word_ids(cfg, tokenizer)
     images = row_images(rows) if processor is not None else None
@@ -312,7 +367,7 @@ def generate(model, tokenizer, rows, cfg, device, processor=None, seed=None):
     try:
         with unsharded(model):
             if images is None:
-                completion_ids, sampler_logps = decode_in_chunks(
+                completion_ids, sampler_logps = (decoder or decode_in_chunks)(
                     model, prompt_ids, prompt_mask, cfg, eos_ids, pad_id, seed)
             else:
                 inputs = dict(input_ids=prompt_ids, attention_mask=prompt_mask, **pixel_inputs)
@@ -553,34 +608,86 @@ class KVBuffer(DynamicLayer):
         self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
         return self.keys, self.values
 
+    def resize(self, rows, capacity):
+        """Only these rows, in buffers of `capacity` tokens."""
+        self.capacity = capacity
+        if self.is_initialized:
+            n = self.get_seq_length()
+            self.key_buffer, self.value_buffer = [torch.cat([x[rows], x.new_empty(
+                len(x[rows]), x.shape[1], capacity - n, x.shape[3])], 2)
+                for x in (self.keys, self.values)]
+            self.keys, self.values = self.key_buffer[:, :, :n], self.value_buffer[:, :, :n]
+
 
 # A host sync (has every row ended?) every this many tokens: on a GPU each drains the launch queue.
 END_CHECK_EVERY = 8
 
 
-def decode(model, prompt_ids, prompt_mask, cfg, eos_ids, pad_id, keys, static=None):
+@dataclass
+class Decoding:
+    """The rows being decoded, as columns: every token fed to the model so far (ids; mask 1 at a
+    row's own tokens, 0 at padding and where a row waits after its EOS) in buffers, and their KV
+    cache, `filled` columns long. decode() starts one, or (multi-turn) extends one by a turn."""
+    ids: torch.Tensor  # [B, capacity]
+    mask: torch.Tensor  # [B, capacity]
+    cache: object
+    static: bool  # StaticCache: fixed shapes, the full-width mask
+    filled: int = 0
+
+    def fit(self, columns, rows=slice(None)):
+        """Room for `columns`, and only `rows` (row numbers) if given: the buffers and every cache
+        layer move to new ones (static: in 256-token steps, so that few shapes compile)."""
+        width = max(self.ids.shape[1], round_up(columns, 256) if self.static else columns)
+        if width == self.ids.shape[1] and rows == slice(None):
+            return
+        grow = (0, width - self.ids.shape[1])
+        self.ids, self.mask = F.pad(self.ids[rows], grow), F.pad(self.mask[rows], grow)
+        for layer in self.cache.layers:
+            if isinstance(layer, KVBuffer):
+                layer.resize(rows, width)
+            elif layer.is_initialized:  # StaticLayer: new zeroed buffers, marked static
+                old, layer.max_cache_len = (layer.keys[rows], layer.values[rows]), width
+                layer.lazy_initialization(*old)
+                layer.keys[:, :, :old[0].shape[2]], layer.values[:, :, :old[1].shape[2]] = old
+            else:
+                layer.max_cache_len = width
+
+    def reusable(self):
+        """Only full-attention layers can keep a row's cache across turns: the waiting columns
+        would eat a sliding window, and a recurrent state cannot skip them."""
+        return all(type(layer) in (KVBuffer, StaticLayer) for layer in self.cache.layers)
+
+
+def own_tokens(ids, mask):
+    """[B, n] ids and mask -> each row's own tokens, as lists (two copies to the host)."""
+    return [[t for t, m in zip(row, flags) if m] for row, flags in zip(ids.tolist(), mask.tolist())]
+
+
+def decode(model, prompt_ids, prompt_mask, cfg, eos_ids, pad_id, keys, static=None, state=None):
     """HF generate's sampling without its per-token bookkeeping (a third of a small model's decode
     step on CPU). One forward per token on the KV cache; HF's processors, in order; log pi_T of each
     token from the raw logits; rows that ended get padding; stops once every row has (checked every
     END_CHECK_EVERY tokens). Ids and mask live in buffers sized for the whole generation; on a GPU
     the cache is static (fixed shapes, so --compile_decode can capture the step in a CUDA graph).
     keys [B]: each row's noise key (row_keys); static None: on a GPU or when compiling.
+    state: a Decoding to extend by this turn, prompt_ids [B, E] then being each row's tokens not yet
+    in its cache, right-aligned (a row with none sits the turn out).
     -> completion_ids [B, T] and their log pi_T [B, T]"""
-    B, L = prompt_ids.shape
+    B, E = prompt_ids.shape
     T = cfg.max_completion_length
-    static = prompt_ids.device.type == "cuda" or cfg.compile_decode if static is None else static
-    width = round_up(L + T, 256) if static else L + T  # few distinct shapes: few compilations
-    processors = sampling_processors(cfg, prompt_ids, eos_ids)
+    if state is None:
+        state = new_decoding(model, B, E + T, static, pad_id, prompt_ids.device, cfg)
+    state.fit(state.filled + E + T)
+    ids, mask, cache, static, L = state.ids, state.mask, state.cache, state.static, state.filled + E
+    ids[:, L - E:L], mask[:, L - E:L] = prompt_ids, prompt_mask
+    positions = (mask[:, :L].cumsum(-1) - 1).clamp(min=0)[:, L - E:]  # a row's own tokens count
+    processors = sampling_processors(cfg, ids[:, :L], eos_ids)
     eos = torch.tensor(eos_ids, device=prompt_ids.device)
-    ids = torch.cat([prompt_ids, prompt_ids.new_full((B, width - L), pad_id)], 1)  # [B, width]
-    mask = torch.cat([prompt_mask, prompt_mask.new_zeros((B, width - L))], 1)  # [B, width]
-    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: prompts start at 0
-    cache = kv_cache(model, width, static)
-    out = model(input_ids=prompt_ids, attention_mask=mask if static else prompt_mask,
+    out = model(input_ids=prompt_ids, attention_mask=mask if static else mask[:, :L],
                 position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
     step, positions = decode_step(model, cfg), positions[:, -1:] + 1  # [B, 1]
     logps = torch.zeros(B, T, device=prompt_ids.device)  # [B, T]
-    ended = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
+    ended = ~prompt_mask.any(-1)  # [B] rows sitting the turn out
     for t in range(T):
         logits = out.logits[:, -1].float()  # [B, V]
         scores = logits
@@ -592,16 +699,26 @@ def decode(model, prompt_ids, prompt_mask, cfg, eos_ids, pad_id, keys, static=No
         token = token.masked_fill(ended, pad_id)
         log_pi = torch.log_softmax(logits / cfg.temperature, -1)
         logps[:, t] = log_pi.gather(-1, token[:, None])[:, 0]
-        ids[:, L + t] = token
+        ids[:, L + t], own = token, ~ended  # the EOS is the row's own token, what follows is not
         ended |= torch.isin(token, eos)
         if t + 1 == T or (t + 1) % END_CHECK_EVERY == 0 and ended.all():
             break
-        mask[:, L + t] = 1
+        mask[:, L + t] = own
         out = step(input_ids=ids[:, L + t:L + t + 1], position_ids=positions,
                    attention_mask=mask if static else mask[:, :L + t + 1], past_key_values=cache,
                    use_cache=True)
-        positions = positions + 1
-    return ids[:, L:L + t + 1], logps[:, :t + 1]
+        positions = positions + own[:, None]
+    state.filled = L + t  # the last token is sampled, not yet fed
+    return ids[:, L:L + t + 1].clone(), logps[:, :t + 1]
+
+
+def new_decoding(model, rows, columns, static, pad_id, device, cfg):
+    """static None: on a GPU or when compiling."""
+    static = device.type == "cuda" or cfg.compile_decode if static is None else static
+    width = round_up(columns, 256) if static else columns  # few distinct shapes: few compilations
+    return Decoding(torch.full((rows, width), pad_id, device=device),
+                    torch.zeros((rows, width), dtype=torch.long, device=device),
+                    kv_cache(model, width, static), static)
 
 
 def round_up(n, multiple):

@@ -21,3 +21,11 @@ def test_gpu_suite_runs_on_cpu_with_a_tiny_shape(tmp_path):
         assert "error" not in results[variant], (variant, results[variant])
         assert results[variant]["step_time"] > 0 and results[variant]["tokens_per_second/generation"] > 0
     assert "| lora |" in out.stdout
+
+
+def test_the_multi_turn_benchmark_runs():
+    out = subprocess.run([sys.executable, "bench.py", "--multi_turn", "--config", "overhead", "--steps", "4"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line for line in out.stdout.splitlines() if "s per batch of 16" in line]
+    assert [line.split()[0] for line in lines] == ["kept", "afresh"]

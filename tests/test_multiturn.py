@@ -3,6 +3,7 @@ against a brute-force computation on hand-built two- and three-turn trajectories
 (sampler log-probs of model tokens = the trainer's); environments that fail; the embedded lookup task learning."""
 import copy
 import json
+import pathlib
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from test_rollout import vllm_server  # noqa: F401  (the server fixture)
 from test_train import cfg_for, read_metrics, run
 
 CPU = torch.device("cpu")
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 EOS = 0
 
 
@@ -154,6 +156,104 @@ def test_the_decode_loop_samples_each_turn_and_its_log_probs_are_the_trainers():
         logps = rollout.batch_logps(model, batch, cfg)
     mask = batch.model_tokens().bool()
     assert (batch.sampler_logps[~mask] == 0).all()
+    torch.testing.assert_close(batch.sampler_logps[mask], logps[mask], atol=1e-4, rtol=0)
+
+
+class Replies:
+    """Answers the model's first turn with `first` and its second with nothing (the model goes on after its own
+    EOS), then ends."""
+    def __init__(self, first):
+        self.first, self.said = first, 0
+
+    def step(self, text):
+        self.said += 1
+        return [self.first, ""][self.said - 1] if self.said < 3 else None, self.said >= 3
+
+
+def own_tokens_fed(loop, model, num_trajectories):
+    """Counts, per trajectory, its own tokens that the forwards of the loop's decode sessions feed the model (the
+    new columns of the attention mask; not the padding, nor the columns a row waits in)."""
+    fed, sessions = torch.zeros(num_trajectories, dtype=torch.long), []
+    loop.generator.session = lambda rows: sessions.append(rollout.DecodeSession(loop.generator, rows)) or sessions[-1]
+
+    def hook(module, args, kwargs):
+        new = kwargs["attention_mask"][:, -kwargs["input_ids"].shape[1]:].sum(-1)
+        session = sessions[-1]
+        fed[[session.rows.start + i for i in session.members]] += new
+    return fed, sessions, model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def test_the_decode_loop_keeps_each_trajectorys_kv_cache_from_turn_to_turn():
+    """Three turns over our decode loop: every token of a trajectory enters the model once however many turns it
+    has (the last one, sampled, need not; after a reply of no tokens the model's EOS is fed again, its cached column
+    hidden), and sessions of --generation_chunk_size 5 trajectories sample what one session does. The sampler's
+    log-probs of the model's tokens are the trainer's (fp32, < 1e-4)."""
+    cfg = cfg_for(num_generations=4, max_completion_length=40, bf16=False)
+    loop, model, dataset = lookup_loop(cfg, lambda row: Replies(row["target"] + "="), max_length=128)
+    fed, sessions, hook = own_tokens_fed(loop, model, 24)
+    try:
+        batch = loop.generate(dataset[:6], seed=3)
+    finally:
+        hook.remove()
+    assert batch.turn_stats["turns"].max() == 3 and (batch.turn_stats["turns"] > 1).sum() > 4
+    assert len(sessions[0].members) < 24  # the rows of trajectories that ended left the cache
+    lengths = batch.prompt_mask.sum(-1) + batch.completion_mask.sum(-1)
+    again = (batch.turn_stats["turns"] == 3).long()  # had the empty reply
+    assert (fed >= lengths - 1).all()
+    finished = ~batch.truncated  # (a truncated row may have run past its budget, the tail cut)
+    assert finished.sum() > 8 and (fed[finished] <= lengths[finished] + again[finished]).all()
+    with torch.no_grad():
+        logps = rollout.batch_logps(model, batch, cfg)
+    mask = batch.model_tokens().bool()
+    torch.testing.assert_close(batch.sampler_logps[mask], logps[mask], atol=1e-4, rtol=0)
+    loop.cfg = cfg_for(num_generations=4, max_completion_length=40, bf16=False, generation_chunk_size=5)
+    sessions.clear()
+    chunked = loop.generate(dataset[:6], seed=3)
+    assert [len(s.rows) for s in sessions] == [5, 5, 5, 5, 4] and all(len(s.state.ids) <= 5 for s in sessions)
+    assert torch.equal(chunked.completion_ids, batch.completion_ids) and chunked.turns == batch.turns
+    torch.testing.assert_close(chunked.sampler_logps, batch.sampler_logps, atol=1e-5, rtol=0)
+
+
+def test_the_static_cache_grows_across_turns_and_samples_what_the_growing_one_does(monkeypatch):
+    """The GPU path's static cache (fixed shapes, in 256-column steps) over turns whose replies take a trajectory
+    past 256 columns: the buffers move to 512 columns and the samples equal those of the growing cache. With
+    --compile_decode (its compilation left out here) the rows of ended trajectories stay and sit the turn out, so
+    the batch keeps its shape; the samples are the same again."""
+    loop, model, dataset = lookup_loop(None, lambda row: Replies("1234567890" * 26 + "="), max_length=400)
+    monkeypatch.setattr(rollout, "decode_step", lambda model, cfg: model)
+    batches, sessions = [], []
+    for static, compile_decode in [(False, False), (True, False), (None, True)]:
+        loop.cfg = loop.generator.cfg = cfg_for(num_generations=2, max_completion_length=12, bf16=False,
+                                                compile_decode=compile_decode)
+        loop.generator.session = lambda rows, static=static: sessions.append(
+            rollout.DecodeSession(loop.generator, rows, static=static)) or sessions[-1]
+        batches.append(loop.generate(dataset[:3], seed=1))
+    turns = batches[0].turn_stats["turns"]
+    assert turns.max() == 3 and turns.min() < 3 and batches[0].completion_ids.shape[1] > 256
+    assert len(sessions[0].members) < 6 and len(sessions[2].members) == 6
+    for session in sessions[1:]:
+        assert session.state.ids.shape[1] == 512 and session.state.cache.layers[0].keys.shape[2] == 512
+    for other in batches[1:]:
+        assert torch.equal(other.completion_ids, batches[0].completion_ids)
+        torch.testing.assert_close(other.sampler_logps, batches[0].sampler_logps, atol=1e-5, rtol=0)
+
+
+def test_a_sliding_window_model_decodes_each_turn_afresh():
+    """A cache that cannot keep a trajectory's columns across turns (sliding-window layers: the waiting columns
+    would eat the window) falls back to decoding each turn from the whole trajectory; the log-probs stay the
+    trainer's."""
+    cfg = cfg_for(num_generations=2, max_completion_length=30, bf16=False)
+    loop, model, dataset = lookup_loop(cfg, lambda row: Replies(row["target"] * 3 + "="), max_length=128)
+    config = copy.deepcopy(model.config)
+    config.layer_types, config.sliding_window = ["sliding_attention", "full_attention"], 6
+    model = loop.generator.model = type(model)(config)
+    sessions = []
+    loop.generator.session = lambda rows: sessions.append(rollout.DecodeSession(loop.generator, rows)) or sessions[-1]
+    batch = loop.generate(dataset[:4], seed=2)
+    assert not sessions[0].state.reusable() and batch.turn_stats["turns"].max() > 1
+    with torch.no_grad():
+        logps = rollout.batch_logps(model, batch, cfg)
+    mask = batch.model_tokens().bool()
     torch.testing.assert_close(batch.sampler_logps[mask], logps[mask], atol=1e-4, rtol=0)
 
 
@@ -425,20 +525,24 @@ def test_a_colocated_engines_log_probs_of_model_tokens_are_the_trainers(tmp_path
         assert m["sampling/sampling_logp_difference/mean"] < 1e-4 and m["turns/mean"] > 1.2
 
 
-def test_tools_on_a_real_model_with_a_tool_template_from_chat_template_path(smollm2_dir, tmp_path):
-    """SmolLM2-135M-Instruct's own template has no tools; --chat_template_path gives it Qwen2.5's (ChatML too), and
-    a --tools run trains: the schemas reach the prompt, the turn metrics are logged."""
+def test_a_real_model_calls_a_tool_and_reads_its_result(smollm2_dir, tmp_path):
+    """SmolLM2-135M-Instruct's own template has no tools; --chat_template_path gives it Qwen2.5's (ChatML too). With
+    three worked examples in each prompt (tests/data/multiply_tools.jsonl, the README's example) the model writes
+    <tool_call> blocks: at temperature 0.7 most of 8 trajectories call the calculator, the results come back as tool
+    tokens (context, not the model's), and some final answers are right; the step trains."""
     from chat_templates import QWEN2_5
     (tmp_path / "qwen.jinja").write_text(QWEN2_5)
     (tmp_path / "calc.py").write_text(CALCULATOR)
     data_file = tmp_path / "data.jsonl"
-    data_file.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}],
-                                             "solution": f"${2 * i}$"}) + "\n" for i in range(4)))
-    out = run(["--model", str(smollm2_dir), "--dataset", str(data_file), "--reward_funcs", "accuracy_reward",
+    with open(ROOT / "tests" / "data" / "multiply_tools.jsonl") as f:
+        data_file.write_text("".join(f.readlines()[:4]))
+    out = run(["--model", str(smollm2_dir), "--dataset", str(data_file), "--reward_funcs", "last_number_reward",
                "--chat_template_path", str(tmp_path / "qwen.jinja"), "--tools", f"{tmp_path / 'calc.py'}:calculator",
-               "--max_completion_length", "16", "--num_generations", "2", "--per_device_train_batch_size", "4",
-               "--max_steps", "1", "--bf16", "false", "--logging_steps", "1", "--output_dir", str(tmp_path / "run")],
-              timeout=900)
+               "--max_completion_length", "40", "--num_generations", "2", "--per_device_train_batch_size", "8",
+               "--temperature", "0.7", "--beta", "0", "--max_steps", "1", "--bf16", "false", "--logging_steps", "1",
+               "--output_dir", str(tmp_path / "run")], timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     (m,) = read_metrics(tmp_path / "run")
-    assert m["turns/mean"] >= 1 and "tools/call_frequency" in m and m["completions/mean_length"] <= 16
+    assert m["tools/call_frequency"] > 0.25 and m["tools/failure_frequency"] < 0.5 and m["turns/mean"] > 1.2
+    assert m["completions/environment_token_fraction"] > 0 and m["reward"] > 0
+    assert m["completions/mean_length"] <= 40
