@@ -612,10 +612,9 @@ class KVBuffer(DynamicLayer):
         """Only these rows, in buffers of `capacity` tokens."""
         self.capacity = capacity
         if self.is_initialized:
-            n = self.get_seq_length()
-            self.key_buffer, self.value_buffer = [torch.cat([x[rows], x.new_empty(
-                len(x[rows]), x.shape[1], capacity - n, x.shape[3])], 2)
-                for x in (self.keys, self.values)]
+            n, kept = self.get_seq_length(), [x[rows] for x in (self.keys, self.values)]
+            self.key_buffer, self.value_buffer = [torch.cat([x, x.new_empty(
+                *x.shape[:2], capacity - n, x.shape[3])], 2) for x in kept]
             self.keys, self.values = self.key_buffer[:, :, :n], self.value_buffer[:, :, :n]
 
 

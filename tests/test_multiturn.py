@@ -354,15 +354,7 @@ def test_the_embedded_lookup_task_learns_what_one_turn_cannot(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ tools
 
-CALCULATOR = '''
-def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression.
-
-    Args:
-        expression: the expression, e.g. "2 * (3 + 4)"
-    """
-    return str(eval(expression, {"__builtins__": {}}))
-'''
+CALCULATOR = (ROOT / "tests" / "data" / "calculator.py").read_text()
 
 
 class ScriptedPolicy:
