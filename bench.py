@@ -37,7 +37,9 @@ import time
 
 import torch
 
+import environments
 import rewards
+import rollout
 import train
 import vllm_rollout
 
@@ -424,8 +426,6 @@ def multi_turn(c, num_steps):
     tokens, replies of 31, turns ending at one of 16 stop tokens, so about 16 tokens each): each
     trajectory's KV cache kept from turn to turn (DecodeSession) against every turn decoded afresh
     from the whole trajectory. Median seconds per batch of the config's size."""
-    import environments
-    import rollout
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = build_model(tempfile.mkdtemp(prefix="bench-model-"), c["model"] or TINY)
