@@ -313,9 +313,10 @@ class DecodeSession:
     def generate(self, rows, seed=None, cfg=None):
         loop, index = self.loop, [i - self.rows.start for i in rows["trajectory"]]
         return generate(loop.model, loop.tokenizer, rows, cfg or loop.cfg, loop.device, seed=seed,
-                        decoder=lambda *args: self.decode(*args, index))
+                        decoder=lambda *args: self.decode(*args, index, rows["prompt"]))
 
-    def decode(self, model, prompt_ids, prompt_mask, cfg, eos_ids, pad_id, seed, index):
+    def decode(self, model, prompt_ids, prompt_mask, cfg, eos_ids, pad_id, seed, index, given):
+        """given: the prompts' token ids (lists), as prompt_ids holds them."""
         keys = row_keys(seed, self.rows.stop, prompt_ids.device)[self.rows.start:]
         if self.state is None:
             columns = prompt_ids.shape[1] + cfg.max_completion_length
@@ -324,13 +325,14 @@ class DecodeSession:
             self.members = list(index)
         if not self.state.reusable():
             return decode(model, prompt_ids, prompt_mask, cfg, eos_ids, pad_id, keys[index])
+        row_of = {i: row for row, i in enumerate(self.members)}
         if index != self.members and not cfg.compile_decode:
-            self.state.fit(0, [self.members.index(i) for i in index])
-            self.members = list(index)
+            self.state.fit(0, [row_of[i] for i in index])
+            self.members, row_of = list(index), {i: row for row, i in enumerate(index)}
         state, new = self.state, {i: [] for i in self.members}  # tokens not yet in the cache
         cached = own_tokens(state.ids[:, :state.filled], state.mask[:, :state.filled])
-        for i, ids in zip(index, own_tokens(prompt_ids, prompt_mask)):
-            row = self.members.index(i)
+        for i, ids in zip(index, given):
+            row = row_of[i]
             assert ids[:len(cached[row])] == cached[row], "a turn's prompt extends its trajectory"
             new[i] = ids[len(cached[row]):]
             if not new[i]:  # an empty reply: the last token again, its cached column hidden
@@ -339,13 +341,12 @@ class DecodeSession:
         block_ids, block_mask = prompt_tensors(list(new.values()), pad_id, 1, prompt_ids.device)
         ids, logps = decode(model, block_ids, block_mask, cfg, eos_ids, pad_id,
                             keys[self.members], state=self.state)
-        rows = [self.members.index(i) for i in index]
+        rows = [row_of[i] for i in index]
         return ids[rows], logps[rows]
 
 
 @torch.no_grad()
-def generate(model, tokenizer, rows, cfg, device, processor=None, seed=None,
-             decoder=None):
+def generate(model, tokenizer, rows, cfg, device, processor=None, seed=None, decoder=None):
     """cfg.num_generations completions for each of rows["prompt"] (strings or conversations) ->
     Rollout. Vision-language: the rows' image columns go through `processor` with the texts. The
     samples of text models are a function of seed and of each row (None: drawn from torch's RNG),
