@@ -460,6 +460,9 @@ class Config:
         "With log_completions: the wandb table keeps one row per prompt.")
     log_multimodal: bool = arg(True,
         "With log_completions and images: the wandb table has an image column.")
+    save_strategy: str = arg("steps", one_of("steps", "no"),
+        "TRL's: steps writes a checkpoint every save_steps and at the end; no writes none (the "
+        "final model still is), so a crash or a signal loses the run.")
     save_steps: int = arg(500, at_least(0),
         "Write a sharded checkpoint every this many optimizer steps (and at the end); 0: only at "
         "the end.")
@@ -705,6 +708,9 @@ def check_model_options(cfg):
         fail(f"{', '.join(lora_only)} configure a LoRA adapter: add --use_peft")
     if cfg.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
         fail("--load_in_4bit needs bitsandbytes: pip install bitsandbytes")
+    if cfg.load_in_4bit and cfg.save_strategy == "no":
+        fail("--load_in_4bit with --save_strategy no: the final model is merged into the base from "
+             "the last checkpoint; drop --save_strategy no")
     if cfg.load_in_4bit and cfg.use_vllm:
         fail("--load_in_4bit with --use_vllm: the engine would need the merged weights of a 4-bit "
              "base; generate without --use_vllm, or train LoRA on the full-precision base")

@@ -370,7 +370,8 @@ def finish(cfg, model, saver, stopped, step, logger):
     if stopped:
         if distributed.is_main():
             print(f"rloo: stopped by a signal: saved checkpoint-{step} in {cfg.output_dir}; resume "
-                  "with --resume_from_checkpoint latest")
+                  "with --resume_from_checkpoint latest" if cfg.save_strategy == "steps" else
+                  f"rloo: stopped by a signal at step {step}; --save_strategy no: nothing saved")
         return
     if cfg.load_in_4bit:  # merged into the full-precision base, from the final checkpoint
         if distributed.is_main():
@@ -436,7 +437,7 @@ def main(argv=None):
                 break
         # ======== checkpoint: every save_steps, at the end, on SIGTERM or Ctrl-C ========
         stopped = checkpoint.stop_requested(stop_signal)
-        if stopped or checkpoint.save_due(cfg, step, saved_step, total_steps):
+        if checkpoint.save_due(cfg, step, saved_step, total_steps, stopped):
             saved = checkpoint.TrainerState(step, num_tokens, logger.window, **source.state())
             checkpoint.save_checkpoint(cfg, model, optimizer, scheduler, saved, vision, ref_model)
             saved_step = step

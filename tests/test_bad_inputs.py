@@ -84,6 +84,9 @@ FLAG_CASES = [  # (flags, what the line must say); marked "ours" where the issue
     (["--max_nonfinite_steps", "0"], "--max_nonfinite_steps 0: must be >= 1"),
     (["--reward_clip_range", "nan", "1"], "--reward_clip_range nan 1.0: must be finite"),
     (["--save_steps", "-1"], "--save_steps -1: must be >= 0"),
+    (["--save_strategy", "epoch"], "--save_strategy epoch: must be one of steps, no"),
+    (["--model", "/m", "--reward_funcs", "task_reward", "--use_peft", "--load_in_4bit", "--save_strategy", "no"],
+     "--load_in_4bit with --save_strategy no"),  # the final model is merged from the last checkpoint
     (["--learning_rate", "inf"], "--learning_rate inf: must be >= 0"),
     (["--vllm_kv_cache_memory_bytes", "0"], "--vllm_kv_cache_memory_bytes 0: must be >= 1"),
 ]

@@ -532,7 +532,7 @@ def test_a_real_model_calls_a_tool_and_reads_its_result(smollm2_dir, tmp_path):
                "--chat_template_path", str(tmp_path / "qwen.jinja"), "--tools", f"{tmp_path / 'calc.py'}:calculator",
                "--max_completion_length", "40", "--num_generations", "2", "--per_device_train_batch_size", "8",
                "--temperature", "0.7", "--beta", "0", "--max_steps", "1", "--bf16", "false", "--logging_steps", "1",
-               "--output_dir", str(tmp_path / "run")], timeout=900)
+               "--save_strategy", "no", "--output_dir", str(tmp_path / "run")], timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     (m,) = read_metrics(tmp_path / "run")
     assert m["tools/call_frequency"] > 0.25 and m["tools/failure_frequency"] < 0.5 and m["turns/mean"] > 1.2

@@ -35,7 +35,8 @@ def train_run(tmp_path, model_dir, *flags, steps=1):
         [sys.executable, os.path.join(ROOT, "train.py"), "--model", str(model_dir), "--dataset",
          ADDITION, "--reward_funcs", "last_number_reward", "--num_generations", "4",
          "--per_device_train_batch_size", "8", "--max_completion_length", "8", "--max_steps", str(steps),
-         "--logging_steps", "1", "--learning_rate", "1e-9", "--output_dir", str(tmp_path / "run"), *flags],
+         "--logging_steps", "1", "--learning_rate", "1e-9", "--save_strategy", "no",  # 1.6 GB a checkpoint
+         "--output_dir", str(tmp_path / "run"), *flags],
         capture_output=True, text=True, cwd=ROOT, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "2"})
     assert out.returncode == 0, out.stderr[-4000:]
     with open(tmp_path / "run" / "metrics.jsonl") as f:

@@ -475,6 +475,24 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     assert json.load(open(os.path.join(saved, "trainer_state.json")))["step"] >= 3
 
 
+def test_save_strategy_no_writes_the_final_model_and_no_checkpoint_even_on_sigterm(tmp_path):
+    out = run(FAST + ["--max_steps", "4", "--save_steps", "2", "--save_strategy", "no", "--output_dir",
+                      str(tmp_path / "whole")])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert checkpoint.checkpoint_dirs(str(tmp_path / "whole")) == []
+    assert os.path.exists(tmp_path / "whole" / "model.safetensors") and len(read_metrics(tmp_path / "whole")) == 4
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), "--max_steps", "100000",
+                             "--logging_steps", "1", "--save_strategy", "no", "--output_dir", str(tmp_path / "cut")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    while not (tmp_path / "cut" / "metrics.jsonl").exists() or len(read_metrics(tmp_path / "cut")) < 2:
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "--save_strategy no: nothing saved" in stdout, stderr[-3000:]
+    assert checkpoint.checkpoint_dirs(str(tmp_path / "cut")) == []
+
+
 def test_save_total_limit_export_and_guards(tmp_path, tiny_model_dir):
     out = run(FAST + ["--max_steps", "6", "--save_steps", "2", "--save_total_limit", "2", "--output_dir",
                       str(tmp_path)])
