@@ -1,5 +1,5 @@
-"""Where each step's batch comes from: the next prompts of the data, generated, and optionally
-filtered.
+"""What a step's batch is (`Rollout`, the same for every generator) and where it comes from: the
+next prompts of the data, generated, and optionally filtered.
 
 - Synchronous (default): the step's prompts, sampled with the newest weights.
 - --async_generation (a vLLM server): while the trainer updates on batch t, the server already
@@ -18,7 +18,10 @@ checkpoint saves both.
 """
 
 import collections
+import dataclasses
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -27,8 +30,94 @@ import data
 import distributed
 from config import fail
 from metrics import timed
+from prompting import pad
 from rloo import combine_rewards
-from rollout import concat
+
+
+@dataclass
+class Rollout:
+    """One generated batch: B = P * G completions, a prompt's G adjacent, in the order the fields
+    are produced. Optional fields are None where a backend or a run has none."""
+    rows: dict  # the P prompts' dataset columns, {name: [P values]}
+    prompt_ids: torch.Tensor  # [B, L] left-padded
+    prompt_mask: torch.Tensor  # [B, L]
+    completion_ids: torch.Tensor  # [B, T] right-padded after the first EOS
+    completion_mask: torch.Tensor  # [B, T] 1 up to and including the first EOS
+    truncated: torch.Tensor  # [B] bool: no EOS within max_completion_length
+    completion_lists: list  # B unpadded id lists, EOS kept: what reward functions get
+    texts: list  # B decoded completions
+    # [B, T] log pi_T of each token, where the sampler reports exactly that (sampler_logps_exact)
+    sampler_logps: torch.Tensor | None = None
+    # vision-language: rows (a slice) -> the processor's tensors of those rows, for the forward
+    pixel_inputs: Callable | None = None
+    suppressed_ids: torch.Tensor | None = None  # image placeholders the sampler never emits
+    rewards_per_func: torch.Tensor | None = None  # [B, K] when dynamic sampling scored it already
+    timings: dict = field(default_factory=dict)  # seconds spent inside generation, e.g. the push
+    # what reward functions logged (TRL's log_extra, log_metric): column -> B values, name -> values
+    logged_columns: dict = field(default_factory=dict)
+    logged_metrics: dict = field(default_factory=dict)
+    # multi-turn (environments.py): [B, T] 1 where the model sampled the token, 0 where the
+    # environment wrote it; B turn lists (the reward functions' completions); {name: [B]} counts
+    generated_mask: torch.Tensor | None = None
+    turns: list | None = None
+    turn_stats: dict | None = None
+
+    def model_tokens(self):
+        """[B, T] the completion tokens the model sampled: the only ones in s_i, the KL, the
+        entropy and the lengths (environment tokens are context)."""
+        if self.generated_mask is None:
+            return self.completion_mask
+        return self.completion_mask * self.generated_mask
+
+    def take(self, index):
+        """The completions at index (a list of row numbers) as a Rollout of their own; rows keeps
+        the prompts they belong to, in order (index holds whole groups)."""
+        picked = torch.tensor(index)
+        G = len(self.completion_lists) // len(next(iter(self.rows.values())))
+        prompts = index[::G]
+        values = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor) and f.name != "suppressed_ids":
+                value = value[picked.to(value.device)]
+            elif isinstance(value, list):
+                value = [value[i] for i in index]
+            values[f.name] = value
+        values["rows"] = {k: [v[i // G] for i in prompts] for k, v in self.rows.items()}
+        values["logged_columns"] = {k: [v[i] for i in index]
+                                    for k, v in self.logged_columns.items()}
+        if self.turn_stats is not None:
+            values["turn_stats"] = {k: v[picked.to(v.device)] for k, v in self.turn_stats.items()}
+        values["timings"] = {}
+        return Rollout(**values)
+
+
+def concat(rollouts, pad_id):
+    """One Rollout of several, prompts re-padded on the left and completions on the right."""
+    first, values = rollouts[0], {}
+    for f in dataclasses.fields(first):
+        parts = [getattr(r, f.name) for r in rollouts]
+        if f.name == "rows":
+            values[f.name] = {k: [v for p in parts for v in p[k]] for k in parts[0]}
+        elif f.name in ("logged_columns", "logged_metrics"):  # a column some parts lack: None
+            sizes = [len(r.completion_lists) if f.name == "logged_columns" else 0
+                     for r in rollouts]
+            keys = dict.fromkeys(k for p in parts for k in p)
+            values[f.name] = {k: [v for p, n in zip(parts, sizes) for v in p.get(k, [None] * n)]
+                              for k in keys}
+        elif isinstance(parts[0], list):
+            values[f.name] = [v for p in parts for v in p]
+        elif f.name == "turn_stats" and parts[0] is not None:
+            values[f.name] = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        elif isinstance(parts[0], torch.Tensor) and parts[0].dim() == 2:
+            value = pad_id if f.name.endswith("_ids") else 0
+            values[f.name] = pad(parts, value, left=f.name.startswith("prompt"))
+        elif isinstance(parts[0], torch.Tensor) and f.name != "suppressed_ids":
+            values[f.name] = torch.cat(parts)
+        else:
+            values[f.name] = parts[0]
+    values["timings"] = {}
+    return Rollout(**values)
 
 
 class BatchSource:

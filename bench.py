@@ -39,6 +39,7 @@ import torch
 
 import environments
 import rewards
+import prompting
 import rollout
 import train
 import vllm_rollout
@@ -435,7 +436,7 @@ def multi_turn(c, num_steps):
                               "--max_completion_length", "64", "--generation_kwargs",
                               json.dumps({"stop_token_ids": list(range(12, 28))})])
     loop = rollout.DecodeLoop(cfg, model, tokenizer, None, torch.device("cpu"))
-    eos_ids = rollout.eos_token_ids(tokenizer, model, cfg)
+    eos_ids = prompting.eos_token_ids(tokenizer, model, cfg)
     g = torch.Generator().manual_seed(0)
     rows = {"prompt": torch.randint(12, 256, (c["batch"] // c["num_generations"], 256),
                                     generator=g).tolist()}

@@ -13,7 +13,7 @@ import os
 import torch
 
 import distributed
-import rollout
+import prompting
 from config import fail, generation_steps
 
 
@@ -57,12 +57,12 @@ def check_images(dataset, cfg):
     images must load."""
     first = next(iter(dataset))
     prompts = dataset["prompt"] if hasattr(dataset, "__len__") else [first["prompt"]]
-    bad = next((p for p in prompts if not rollout.is_conversational(p)), None)
+    bad = next((p for p in prompts if not prompting.is_conversational(p)), None)
     if bad is not None:
         fail(f"the dataset has images, so prompts must be conversational ([{{'role': 'user', "
              "'content': ...}}]) for the images to enter the first user message; got "
              f"{str(bad)[:80]!r}")
-    rollout.row_images({k: [v] for k, v in first.items()})
+    prompting.row_images({k: [v] for k, v in first.items()})
 
 
 DATA_FILE_TYPES = (".json", ".jsonl", ".parquet", ".csv")
@@ -171,7 +171,7 @@ def check_prompts(prompts, where, first_row=0):
 
 def check_chat_template(prompts, tokenizer, name, where):
     """Conversational prompts need the tokenizer's chat template."""
-    row = next((i for i, p in enumerate(prompts) if rollout.is_conversational(p)), None)
+    row = next((i for i, p in enumerate(prompts) if prompting.is_conversational(p)), None)
     if row is not None and not getattr(tokenizer, "chat_template", None):
         fail(f"{where} row {row}: the prompt is a conversation but {name!r} has no chat template; "
              "use a chat (Instruct) model, add a chat_template to its tokenizer_config.json, or "
@@ -182,13 +182,13 @@ def prompt_lengths(prompts, tokenizer, cfg, where):
     """Token counts after the chat template; a conversation the template cannot render is one line
     naming its row."""
     try:
-        return list(map(len, rollout.tokenize_prompts(tokenizer, prompts,
+        return list(map(len, prompting.tokenize_prompts(tokenizer, prompts,
                                                       cfg.chat_template_kwargs)))
     # noqa: BLE001 (jinja's errors, the template's own raise_exception): find the row
     except Exception:
         for i, prompt in enumerate(prompts):
             try:
-                rollout.tokenize_prompts(tokenizer, [prompt], cfg.chat_template_kwargs)
+                prompting.tokenize_prompts(tokenizer, [prompt], cfg.chat_template_kwargs)
             except Exception as e:  # noqa: BLE001
                 fail(f"{where} row {i}: the chat template cannot render this prompt "
                      f"({first_line(e)}): {str(prompt)[:120]!r}")

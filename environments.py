@@ -21,9 +21,10 @@ import dataclasses
 import torch
 
 import tools
+from batches import Rollout
 from config import fail
-from rollout import (Rollout, is_conversational, micro_batches, pad, prompt_tensors, repeat_each,
-                     tokenize_prompts)
+from forward import micro_batches
+from prompting import is_conversational, pad, prompt_tensors, repeat_each, tokenize_prompts
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,8 +10,9 @@ import dataclasses
 import torch
 
 import distributed
+import forward
 import models
-import rollout
+import prompting
 from config import generation_steps
 from metrics import generation_metrics, logged_metrics
 from rloo import combine_rewards, rloo_advantages, rloo_loss
@@ -52,15 +53,15 @@ def evaluate_set(cfg, generator, dataset, rewards, model, step):
         rewards_per_func = rewards(batch, G, step)  # [B, K]
         for k, values in batch.logged_metrics.items():
             logged.setdefault(k, []).extend(values)
-        valid = torch.tensor(rollout.repeat_each([i < n for i in index], G)).float()
+        valid = torch.tensor(prompting.repeat_each([i < n for i in index], G)).float()
         shaped = combine_rewards(rewards_per_func, weights.to(valid.device), cfg.reward_clip_range)
         advantages = rloo_advantages(shaped, G) * valid.to(shaped.device)
         unmoved = torch.zeros_like(advantages)  # s = s_old
         loss = rloo_loss(unmoved, unmoved, advantages, cfg.epsilon, cfg.epsilon, 1)[0]
         aux = torch.tensor(0.0)
         if aux_coef:  # the mean over training-sized micro-batches
-            mbs = rollout.micro_batches(len(advantages), cfg.per_device_train_batch_size)
-            aux = sum(rollout.forward_logps(model, batch, mb, cfg.temperature, router_aux=True)[3]
+            mbs = forward.micro_batches(len(advantages), cfg.per_device_train_batch_size)
+            aux = sum(forward.forward_logps(model, batch, mb, cfg.temperature, router_aux=True)[3]
                       for mb in mbs) / len(mbs)
         chunks.append({"rewards_per_func": rewards_per_func.T,
                        "lengths": batch.model_tokens().sum(-1).float(),

@@ -18,8 +18,8 @@ import torch
 from tqdm import tqdm
 
 import distributed
+from prompting import repeat_each, row_images
 from rloo import combine_rewards
-from rollout import repeat_each, row_images
 
 
 @contextmanager

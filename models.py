@@ -19,7 +19,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, Aut
 
 import distributed
 from config import fail
-from rollout import base_of
+from forward import base_of
 
 
 def load_pretrained(cfg, vision=False):

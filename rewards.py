@@ -32,7 +32,7 @@ import distributed
 import tools
 from config import fail
 from models import prepare_model
-from rollout import is_conversational, repeat_each
+from prompting import is_conversational, repeat_each
 
 
 # ---------------------------------------------------------------------------------------------

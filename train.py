@@ -39,14 +39,17 @@ import checkpoint  # noqa: E402
 import data  # noqa: E402
 import distributed  # noqa: E402
 import environments  # noqa: E402
+import forward  # noqa: E402
 import lora  # noqa: E402
 import models  # noqa: E402
+import prompting  # noqa: E402
 import rollout  # noqa: E402
+import sampler  # noqa: E402
 import vllm_rollout  # noqa: E402
 from batches import BatchSource  # noqa: E402
-from evaluation import eval_config, evaluate  # noqa: E402
 from config import EMBEDDED_PRESET, Config, check_config, fail, parse_config  # noqa: E402, F401
 from config import generation_steps, low_precision, sampler_logps_exact  # noqa: E402
+from evaluation import eval_config, evaluate  # noqa: E402
 from metrics import (Logger, batch_metrics, completions_table, show_samples,  # noqa: E402
                      step_metrics, timed)
 from rewards import load_rewards  # noqa: E402
@@ -79,7 +82,7 @@ def load_models(cfg, dataset, eval_sets, vision, device):
     data.check_data(dataset, tokenizer, processor, model, cfg)
     for name, eval_set in eval_sets.items():
         data.check_data(eval_set, tokenizer, processor, model, cfg, data.eval_where(cfg, name))
-    rollout.check_token_ids(cfg, model, tokenizer)
+    sampler.check_token_ids(cfg, model, tokenizer)
     models.router_aux_coef(cfg, model)  # a coefficient for a model without a router loss fails
     if cfg.use_peft:
         model = lora.add_adapter(model, lora.settings(cfg))
@@ -119,7 +122,7 @@ def with_turns(cfg, generator, tokenizer, processor, model):
     """With --environment or --tools the generator samples each turn of multi-turn trajectories."""
     if not (cfg.environment or cfg.tools):
         return generator
-    eos_ids = rollout.eos_token_ids(tokenizer, model, cfg)
+    eos_ids = prompting.eos_token_ids(tokenizer, model, cfg)
     return environments.multi_turn(cfg, generator, tokenizer, processor, eos_ids,
                                    environments.context_length(cfg, model))
 
@@ -203,9 +206,9 @@ def score(cfg, batch, rewards, model, ref_model, step):
     with timed(timings, "time/reference"):
         if cfg.beta > 0:  # r = R - beta * kl, log pi_old the sampler's where exact (§3)
             exact = old_logps_from_sampler(cfg, batch.pixel_inputs is not None)
-            old = batch.sampler_logps if exact else rollout.batch_logps(model, batch, cfg)
+            old = batch.sampler_logps if exact else forward.batch_logps(model, batch, cfg)
             with lora.reference(model, ref_model) as reference:
-                scores.ref_logps = rollout.batch_logps(reference, batch, cfg)  # [B, T]
+                scores.ref_logps = forward.batch_logps(reference, batch, cfg)  # [B, T]
             scores.old_logps = old
             scores.kl_sums = sequence_kl(old, scores.ref_logps, loss_mask, cfg.kl_estimator)
             scores.rewards = shaped - cfg.beta * scores.kl_sums
@@ -232,13 +235,13 @@ def policy_step(cfg, model, optimizer, scheduler, batch, scores, old_logps=None,
     eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
     aux_coef, timings, seq_logps_all = models.router_aux_coef(cfg, model), {}, []
     mbs = [slice(s.start + rows.start, s.stop + rows.start)
-           for s in rollout.micro_batches(rows.stop - rows.start, cfg.per_device_train_batch_size)]
+           for s in forward.micro_batches(rows.stop - rows.start, cfg.per_device_train_batch_size)]
     sums, n = defaultdict(float), rows.stop - rows.start  # this rank's totals for the metrics
     with timed(timings, "time/forward_backward"):
         for i, mb in enumerate(mbs):
             if isinstance(model, FSDPModule):  # reduce-scatter gradients once, at the last one
                 model.set_requires_gradient_sync(i == len(mbs) - 1)
-            logps, entropy, T, aux = rollout.forward_logps(  # [b, T]
+            logps, entropy, T, aux = forward.forward_logps(  # [b, T]
                 model, batch, mb, cfg.temperature, router_aux=aux_coef > 0,
                 pad_to=cfg.pad_to_multiple_of)
             mask = scores.loss_mask[mb, :T]
@@ -246,10 +249,10 @@ def policy_step(cfg, model, optimizer, scheduler, batch, scores, old_logps=None,
             seq_old = seq_logps.detach() if old_logps is None else old_logps[mb]
             # the generator's log-probs (the trainer's own where it reports none)
             reported = batch.sampler_logps is not None
-            sampler = batch.sampler_logps[mb, :T] if reported else logps.detach()
+            sampled = batch.sampler_logps[mb, :T] if reported else logps.detach()
             is_weights = None
             if cap:  # truncated IS: the batch came from the generator, not this policy
-                ratio = torch.exp(seq_old - (sampler * mask).sum(-1))  # [b] pi_train / pi_sample
+                ratio = torch.exp(seq_old - (sampled * mask).sum(-1))  # [b] pi_train / pi_sample
                 is_weights = ratio.clamp(max=cap)
                 sums["is_weight"] += is_weights.sum()
                 sums["is_truncated"] += (ratio > cap).float().sum()
@@ -267,7 +270,7 @@ def policy_step(cfg, model, optimizer, scheduler, batch, scores, old_logps=None,
             sums["tokens"] += mask.sum()
             sums["sequences"] += len(mask)
             if old_logps is None and reported:  # |log pi_sampler - log pi_trainer| per token
-                sums["sampler_drift"] += ((sampler - logps.detach()).abs() * mask).sum()
+                sums["sampler_drift"] += ((sampled - logps.detach()).abs() * mask).sum()
     with timed(timings, "time/optimizer"):
         grad_norm = optimizer_step(cfg, model, optimizer, scheduler)
     sums = {k: torch.as_tensor(v, device=advantages.device).float() for k, v in sums.items()}
@@ -296,11 +299,11 @@ def update(cfg, model, optimizer, scheduler, batch, scores):
     baseline, rho == 1), else computed before the first step, so from the second mini-batch on the
     clipped surrogate matters."""
     per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
-    minibatches = rollout.micro_batches(len(scores.advantages), per_step)
+    minibatches = forward.micro_batches(len(scores.advantages), per_step)
     old_logps = None
     if len(minibatches) > 1:  # the KL's log pi_old where scoring computed it, else a forward
         old = scores.old_logps if scores.old_logps is not None else \
-            rollout.batch_logps(model, batch, cfg)
+            forward.batch_logps(model, batch, cfg)
         old_logps = (old * scores.loss_mask[:, :old.shape[1]]).sum(-1)
     for _ in range(cfg.num_iterations):
         for rows in minibatches:

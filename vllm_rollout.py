@@ -32,9 +32,10 @@ import lora
 from config import fail, sampler_logps_exact, vllm_logprobs_mode, weights_dtype
 from data import embedded_task
 from metrics import timed
-from rollout import (eos_token_ids, finish, image_token_ids, pad, pixel_inputs_for,
-                     prompt_tensors, prompt_texts, row_images, tokenize_prompts, with_bad_word_ids,
-                     with_images)
+from prompting import (eos_token_ids, image_token_ids, pad, pixel_inputs_for, prompt_tensors,
+                       prompt_texts, row_images, tokenize_prompts, with_images)
+from rollout import finish
+from sampler import with_bad_word_ids
 
 
 def make_generator(cfg, model, tokenizer, processor, device, max_images=0, max_model_len=None):

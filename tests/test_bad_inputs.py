@@ -15,10 +15,10 @@ import time
 import pytest
 import torch
 
+import batches
 import checkpoint
 import data
 import rewards
-import rollout
 import train
 from test_train import FAST, read_metrics, run
 
@@ -264,7 +264,7 @@ def test_a_failing_or_invalid_reward_is_one_line_naming_the_function_and_step(tm
     (tmp_path / "bad_rewards.py").write_text(REWARD_FILE)
     func = rewards.load_reward_func(f"{tmp_path / 'bad_rewards.py'}:{name}")
     ids = torch.tensor([[1], [2], [3], [4]])
-    batch = rollout.Rollout({"prompt": ["x", "y"]}, ids, ids, ids, ids, torch.zeros(4).bool(),
+    batch = batches.Rollout({"prompt": ["x", "y"]}, ids, ids, ids, ids, torch.zeros(4).bool(),
                             ids.tolist(), ["a", "b", "c", "d"])
     try:
         out = rewards.RewardFunctions([func], timeout=0.5)(batch, 2, 0)

@@ -12,6 +12,7 @@ from datasets import Dataset
 import batches
 import data
 import models
+import forward
 import rollout
 import train
 from rewards import RewardFunctions
@@ -176,8 +177,8 @@ def test_async_lag_1_trains_on_the_previous_steps_samples(chat_model_dir, vllm_s
         batch, metrics = source.next(step)
         assert metrics["sampling/staleness"] == (1.0 if step else 0.0)
         with torch.no_grad():
-            now = rollout.forward_logps(model, batch, slice(None), 1.0)[0]
-            then = rollout.forward_logps(previous, batch, slice(None), 1.0)[0]
+            now = forward.forward_logps(model, batch, slice(None), 1.0)[0]
+            then = forward.forward_logps(previous, batch, slice(None), 1.0)[0]
         mask = batch.completion_mask[:, :now.shape[1]]
         sampled = batch.sampler_logps[:, :now.shape[1]]
         assert ((sampled - then).abs() * mask).max() < 1e-4, step  # step t-1's weights sampled it

@@ -15,10 +15,13 @@ import checkpoint
 import config
 import data
 import evaluation
+import forward
 import lora
 import models
+import prompting
 import rewards
 import rollout
+import sampler
 import train
 import vllm_rollout
 from test_train import cfg_for, read_metrics, run, tiny_model_dir, worker  # noqa: F401 (tiny_model_dir: a fixture)
@@ -71,9 +74,9 @@ def adapter_off_matches_base(base_copy, model, tokenizer, prompts, cfg):
     batch = rollout.generate(model, tokenizer, {"prompt": prompts}, cfg, CPU)
     with torch.no_grad():
         with lora.reference(model, None) as reference:
-            off = rollout.forward_logps(reference, batch, slice(None), cfg.temperature)[0]
-        on = rollout.forward_logps(model, batch, slice(None), cfg.temperature)[0]
-        untouched = rollout.forward_logps(base_copy.train(), batch, slice(None), cfg.temperature)[0]
+            off = forward.forward_logps(reference, batch, slice(None), cfg.temperature)[0]
+        on = forward.forward_logps(model, batch, slice(None), cfg.temperature)[0]
+        untouched = forward.forward_logps(base_copy.train(), batch, slice(None), cfg.temperature)[0]
     return off, on, untouched
 
 
@@ -112,15 +115,15 @@ def test_merged_weights_reproduce_the_adapted_policy(tmp_path):
     plain = data.embedded_task(seed=3)[0].train()  # other weights: every one must come from the merge
     plain.load_state_dict(dict(lora.hf_weights(model.state_dict().items(), model)), strict=True)
     with torch.no_grad():
-        want = rollout.forward_logps(model, batch, slice(None), 1.0)[0]
-        got = rollout.forward_logps(plain, batch, slice(None), 1.0)[0]
+        want = forward.forward_logps(model, batch, slice(None), 1.0)[0]
+        got = forward.forward_logps(plain, batch, slice(None), 1.0)[0]
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
         checkpoint.save_hf(model, tokenizer, str(tmp_path))
         saved = AutoModelForCausalLM.from_pretrained(tmp_path).train()
-        torch.testing.assert_close(rollout.forward_logps(saved, batch, slice(None), 1.0)[0], want,
+        torch.testing.assert_close(forward.forward_logps(saved, batch, slice(None), 1.0)[0], want,
                                    atol=1e-5, rtol=0)
         with_adapter = PeftModel.from_pretrained(data.embedded_task(seed=0)[0], tmp_path / "adapter").train()
-        torch.testing.assert_close(rollout.forward_logps(with_adapter, batch, slice(None), 1.0)[0],
+        torch.testing.assert_close(forward.forward_logps(with_adapter, batch, slice(None), 1.0)[0],
                                    want, atol=1e-6, rtol=0)
 
 
@@ -227,7 +230,7 @@ def test_generation_kwargs_reach_the_decode_loop_and_vllm():
     batch = rollout.generate(model, tokenizer, {"prompt": prompts}, cfg, CPU)
     assert min(len(c) for c in batch.completion_lists) >= 4  # ... not before min_tokens
     with torch.no_grad():  # the recorded log-probs are still log pi_T of the unprocessed model
-        logps = rollout.forward_logps(model, batch, slice(None), 1.0)[0]
+        logps = forward.forward_logps(model, batch, slice(None), 1.0)[0]
     mask = batch.completion_mask[:, :logps.shape[1]]
     torch.testing.assert_close(batch.sampler_logps[:, :logps.shape[1]] * mask, logps * mask, atol=1e-5, rtol=0)
     # an extra stop id ends completions ("=" is id 1) as EOS does
@@ -238,13 +241,13 @@ def test_generation_kwargs_reach_the_decode_loop_and_vllm():
     ended_by_stop = [ids[-1] == 1 for ids in lists]
     assert any(ended_by_stop) and not any(t for t, e in zip(stopped.truncated.tolist(), ended_by_stop) if e)
     # penalties: z - frequency * count - presence * [count > 0], counted over the completion only
-    penalize = rollout.completion_penalties(prompt_length=2, presence=0.5, frequency=0.25)
+    penalize = sampler.completion_penalties(prompt_length=2, presence=0.5, frequency=0.25)
     ids = torch.tensor([[3, 3, 3, 4, 3, 5]])  # prompt [3, 3], completion [3, 4, 3, 5]
     got = penalize(ids, torch.zeros(1, 7))
     assert got.tolist() == [[0, 0, 0, -1.0, -0.75, -0.75, 0]]
     # vLLM: the same keys in SamplingParams, stop ids with the EOS ids; its log-probs are then not log pi_T
     vcfg = cfg_for(use_vllm=True, generation_kwargs={"min_tokens": 4, "frequency_penalty": 0.1, "stop_token_ids": [1]})
-    params = vllm_rollout.vllm_sampling(vcfg, rollout.eos_token_ids(tokenizer, model, vcfg), logprobs=False)
+    params = vllm_rollout.vllm_sampling(vcfg, prompting.eos_token_ids(tokenizer, model, vcfg), logprobs=False)
     assert params["min_tokens"] == 4 and params["frequency_penalty"] == 0.1 and params["stop_token_ids"] == [0, 1]
     assert not config.sampler_logps_exact(dataclasses.replace(vcfg, temperature=0.7))
 

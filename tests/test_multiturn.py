@@ -11,6 +11,9 @@ import torch
 import data
 import environments
 import rewards
+import batches
+import forward
+import prompting
 import rollout
 import train
 from conftest import requires_vllm
@@ -35,10 +38,10 @@ def trajectory_batch():
     ids = [[t for piece, _ in traj for t in piece] for traj in turns]
     generated = [[g for piece, g in traj for _ in piece] for traj in turns]
     prompt_lists = [prompts[0], prompts[0], prompts[1], prompts[1]]
-    prompt_ids, prompt_mask = rollout.prompt_tensors(prompt_lists, EOS, 1, CPU)
-    batch = rollout.Rollout(
-        {"prompt": ["12=", "3="]}, prompt_ids, prompt_mask, rollout.pad(ids, EOS), rollout.pad([[1] * len(i) for i in ids], 0),
-        torch.tensor([False, False, False, True]), ids, ["x"] * 4, generated_mask=rollout.pad(generated, 0))
+    prompt_ids, prompt_mask = prompting.prompt_tensors(prompt_lists, EOS, 1, CPU)
+    batch = batches.Rollout(
+        {"prompt": ["12=", "3="]}, prompt_ids, prompt_mask, prompting.pad(ids, EOS), prompting.pad([[1] * len(i) for i in ids], 0),
+        torch.tensor([False, False, False, True]), ids, ["x"] * 4, generated_mask=prompting.pad(generated, 0))
     return batch, prompt_lists, ids, generated
 
 
@@ -78,7 +81,7 @@ def test_the_loss_kl_entropy_and_gradient_are_those_of_the_model_tokens_alone():
     batch, prompt_lists, ids, generated = trajectory_batch()
     s_brute, per_token, entropy, count = brute_force(model, prompt_lists, ids, generated)
     # the sampler's log-probs at model tokens (0 at the environment's), as the decode loop reports them
-    batch.sampler_logps = rollout.pad([[float(lp) * g for lp, g in zip(row, flags)]
+    batch.sampler_logps = prompting.pad([[float(lp) * g for lp, g in zip(row, flags)]
                                        for row, flags in zip(per_token, generated)], 0.0)
     cfg = cfg_for(num_generations=2, beta=0.1, per_device_train_batch_size=4, max_grad_norm=0.0, bf16=False,
                   temperature=1.0)
@@ -115,13 +118,13 @@ def test_environment_tokens_get_no_gradient():
     environment token and nonzero at the model's."""
     model, _, _ = data.embedded_task(seed=0)
     batch, _, _, generated = trajectory_batch()
-    logps, _, T, _ = rollout.forward_logps(model, batch, slice(None), 1.0)
+    logps, _, T, _ = forward.forward_logps(model, batch, slice(None), 1.0)
     logps.retain_grad()
     cfg = cfg_for(num_generations=2, beta=0.0, bf16=False)
     scores = train.score(cfg, batch, fixed_rewards([1.0, 0.0, 0.3, 0.9]), model, None, step=0)
     seq = (logps * scores.loss_mask[:, :T]).sum(-1)
     train.rloo_loss(seq, seq.detach(), scores.advantages, 0.2, 0.2, 4)[0].backward()
-    mask = rollout.pad(generated, 0).bool()
+    mask = prompting.pad(generated, 0).bool()
     assert (logps.grad[~mask & batch.completion_mask.bool()] == 0).all()
     assert (logps.grad[mask].abs() > 0).all()
 
@@ -131,7 +134,7 @@ def test_environment_tokens_get_no_gradient():
 def lookup_loop(cfg, make_env=environments.lookup_environment, max_length=64):
     model, tokenizer, dataset = data.embedded_task(seed=0)
     inner = rollout.DecodeLoop(cfg, model, tokenizer, None, CPU)
-    eos_ids = rollout.eos_token_ids(tokenizer, model, cfg)
+    eos_ids = prompting.eos_token_ids(tokenizer, model, cfg)
     return environments.MultiTurn(cfg, inner, make_env, tokenizer, eos_ids, max_length), model, dataset
 
 
@@ -153,7 +156,7 @@ def test_the_decode_loop_samples_each_turn_and_its_log_probs_are_the_trainers():
             env_ids = batch.completion_ids[b][(batch.completion_mask - batch.model_tokens())[b].bool()].tolist()
             assert env_ids == [int(c) + 2 for c in target] + [1]
     with torch.no_grad():
-        logps = rollout.batch_logps(model, batch, cfg)
+        logps = forward.batch_logps(model, batch, cfg)
     mask = batch.model_tokens().bool()
     assert (batch.sampler_logps[~mask] == 0).all()
     torch.testing.assert_close(batch.sampler_logps[mask], logps[mask], atol=1e-4, rtol=0)
@@ -203,7 +206,7 @@ def test_the_decode_loop_keeps_each_trajectorys_kv_cache_from_turn_to_turn():
     finished = ~batch.truncated  # (a truncated row may have run past its budget, the tail cut)
     assert finished.sum() > 8 and (fed[finished] <= lengths[finished] + again[finished]).all()
     with torch.no_grad():
-        logps = rollout.batch_logps(model, batch, cfg)
+        logps = forward.batch_logps(model, batch, cfg)
     mask = batch.model_tokens().bool()
     torch.testing.assert_close(batch.sampler_logps[mask], logps[mask], atol=1e-4, rtol=0)
     loop.cfg = cfg_for(num_generations=4, max_completion_length=40, bf16=False, generation_chunk_size=5)
@@ -221,21 +224,21 @@ def test_the_static_cache_grows_across_turns_and_samples_what_the_growing_one_do
     the batch keeps its shape; the samples are the same again."""
     loop, model, dataset = lookup_loop(None, lambda row: Replies("1234567890" * 26 + "="), max_length=400)
     monkeypatch.setattr(rollout, "decode_step", lambda model, cfg: model)
-    batches, sessions = [], []
+    rollouts, sessions = [], []
     for static, compile_decode in [(False, False), (True, False), (None, True)]:
         loop.cfg = loop.generator.cfg = cfg_for(num_generations=2, max_completion_length=12, bf16=False,
                                                 compile_decode=compile_decode)
         loop.generator.session = lambda rows, static=static: sessions.append(
             rollout.DecodeSession(loop.generator, rows, static=static)) or sessions[-1]
-        batches.append(loop.generate(dataset[:3], seed=1))
-    turns = batches[0].turn_stats["turns"]
-    assert turns.max() == 3 and turns.min() < 3 and batches[0].completion_ids.shape[1] > 256
+        rollouts.append(loop.generate(dataset[:3], seed=1))
+    turns = rollouts[0].turn_stats["turns"]
+    assert turns.max() == 3 and turns.min() < 3 and rollouts[0].completion_ids.shape[1] > 256
     assert len(sessions[0].members) < 6 and len(sessions[2].members) == 6
     for session in sessions[1:]:
         assert session.state.ids.shape[1] == 512 and session.state.cache.layers[0].keys.shape[2] == 512
-    for other in batches[1:]:
-        assert torch.equal(other.completion_ids, batches[0].completion_ids)
-        torch.testing.assert_close(other.sampler_logps, batches[0].sampler_logps, atol=1e-5, rtol=0)
+    for other in rollouts[1:]:
+        assert torch.equal(other.completion_ids, rollouts[0].completion_ids)
+        torch.testing.assert_close(other.sampler_logps, rollouts[0].sampler_logps, atol=1e-5, rtol=0)
 
 
 def test_a_sliding_window_model_decodes_each_turn_afresh():
@@ -252,7 +255,7 @@ def test_a_sliding_window_model_decodes_each_turn_afresh():
     batch = loop.generate(dataset[:4], seed=2)
     assert not sessions[0].state.reusable() and batch.turn_stats["turns"].max() > 1
     with torch.no_grad():
-        logps = rollout.batch_logps(model, batch, cfg)
+        logps = forward.batch_logps(model, batch, cfg)
     mask = batch.model_tokens().bool()
     torch.testing.assert_close(batch.sampler_logps[mask], logps[mask], atol=1e-4, rtol=0)
 
@@ -319,7 +322,7 @@ def test_a_conversational_reply_is_the_chat_templates_rendering(smollm2_dir):
     cfg = cfg_for(num_generations=2)
     loop = environments.MultiTurn(cfg, None, None, tokenizer, [tokenizer.eos_token_id], 2048)
     prompt = [{"role": "user", "content": "What is 2 + 3?"}]
-    (prompt_ids,) = rollout.tokenize_prompts(tokenizer, [prompt])
+    (prompt_ids,) = prompting.tokenize_prompts(tokenizer, [prompt])
     text = "Let me check with the calculator."
     model_ids = tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     t = environments.Trajectory(None, prompt, prompt_ids, 100)
@@ -370,8 +373,8 @@ class ScriptedPolicy:
         text = self.turns[min(self.calls, len(self.turns) - 1)]
         self.calls += 1
         ids = [self.tokenizer(text, add_special_tokens=False).input_ids + [self.eos]] * len(rows["prompt"])
-        prompt_ids, prompt_mask = rollout.prompt_tensors(rows["prompt"], self.tokenizer.pad_token_id, 1, CPU)
-        return rollout.finish(rows, prompt_ids, prompt_mask, rollout.pad(ids, 0), None, [self.eos], self.tokenizer)
+        prompt_ids, prompt_mask = prompting.prompt_tensors(rows["prompt"], self.tokenizer.pad_token_id, 1, CPU)
+        return rollout.finish(rows, prompt_ids, prompt_mask, prompting.pad(ids, 0), None, [self.eos], self.tokenizer)
 
 
 def tool_loop(smollm2_dir, tmp_path, turns, max_tool_calls=10):

@@ -13,6 +13,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import models
 import rewards
+import batches
+import forward
+import prompting
 import rollout
 import train
 from rewards import RewardFunctions
@@ -123,14 +126,14 @@ def test_string_prompts_get_the_tokenizers_bos_and_conversations_only_the_templa
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     question = "What is 2 + 3?"
     conversation = [{"role": "user", "content": question}]
-    plain, chat = rollout.tokenize_prompts(tokenizer, [question, conversation])
+    plain, chat = prompting.tokenize_prompts(tokenizer, [question, conversation])
     assert plain == tokenizer(question, add_special_tokens=False).input_ids  # SmolLM2 adds no BOS: none here
     templated = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
     assert chat == list(templated["input_ids"] if hasattr(templated, "keys") else templated)  # TRL's ids
     tokenizer.bos_token, tokenizer.add_bos_token = "<|endoftext|>", True  # as Llama's, Gemma's, Mistral's do
     tokenizer.chat_template = "{{ bos_token }}" + tokenizer.chat_template  # ... and their templates write it
     bos = tokenizer.bos_token_id
-    plain, chat = rollout.tokenize_prompts(tokenizer, [question, conversation])
+    plain, chat = prompting.tokenize_prompts(tokenizer, [question, conversation])
     assert plain[0] == bos and plain[1:] == tokenizer(question, add_special_tokens=False).input_ids
     assert chat[0] == bos and chat.count(bos) == 1  # the template's BOS, and not a second one
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir)
@@ -190,7 +193,7 @@ def test_colocated_vllm_context_is_the_datasets_not_the_models_and_too_long_a_on
 def random_batch(b, T, vocab, prompt_len=16):
     g = torch.Generator().manual_seed(0)
     completion_ids = torch.randint(0, vocab, (b, T), generator=g)
-    return rollout.Rollout(rows={}, prompt_ids=torch.randint(0, vocab, (b, prompt_len), generator=g),
+    return batches.Rollout(rows={}, prompt_ids=torch.randint(0, vocab, (b, prompt_len), generator=g),
                            prompt_mask=torch.ones(b, prompt_len, dtype=torch.long),
                            completion_ids=completion_ids, completion_mask=torch.ones(b, T, dtype=torch.long),
                            truncated=torch.ones(b, dtype=torch.bool),
@@ -199,7 +202,7 @@ def random_batch(b, T, vocab, prompt_len=16):
 
 def logps_and_grads(model, batch, chunked):
     model.zero_grad(set_to_none=True)
-    logps, entropy, _, _ = rollout.forward_logps(model, batch, slice(None), 0.9, chunked=chunked)
+    logps, entropy, _, _ = forward.forward_logps(model, batch, slice(None), 0.9, chunked=chunked)
     (logps * torch.linspace(0.5, 1.5, logps.shape[1])).sum().backward()
     return logps.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -228,7 +231,7 @@ def test_training_forward_memory_is_bounded_well_below_the_logits(smollm2_dir):
     tracker = MemTracker()
     tracker.track_external(model)
     with tracker:
-        logps, _, _, _ = rollout.forward_logps(model, batch, slice(None), 1.0)
+        logps, _, _, _ = forward.forward_logps(model, batch, slice(None), 1.0)
         logps.sum().backward()
     (peak,) = [snapshot["Total"] for snapshot in tracker.get_tracker_snapshot("peak").values()]
     weights = sum(p.numel() * 4 for p in model.parameters())

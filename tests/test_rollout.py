@@ -6,8 +6,11 @@ import pytest
 import torch
 
 import data
+import forward
 import models
+import prompting
 import rollout
+import sampler
 import vllm_rollout
 
 CPU = torch.device("cpu")
@@ -44,10 +47,10 @@ def test_prompt_texts_apply_chat_template_only_to_conversations(tiny):
     _, tok, _ = data.embedded_task(seed=0)
     tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
     conversation = [{"role": "user", "content": "12="}]
-    assert rollout.prompt_texts(tok, ["12=", conversation]) == ["12=", "<user>12=<assistant>"]
-    assert rollout.is_conversational(conversation) and not rollout.is_conversational("12=")
+    assert prompting.prompt_texts(tok, ["12=", conversation]) == ["12=", "<user>12=<assistant>"]
+    assert prompting.is_conversational(conversation) and not prompting.is_conversational("12=")
     tok.chat_template = "{% if terse %}T{% endif %}{{ messages[0].content }}"
-    assert rollout.prompt_texts(tok, [conversation], {"terse": True}) == ["T12="]
+    assert prompting.prompt_texts(tok, [conversation], {"terse": True}) == ["T12="]
 
 
 def test_generate_groups_masks_and_padding(tiny):
@@ -82,7 +85,7 @@ def test_sampler_logps_equal_a_full_forward(tiny, knobs):
     torch.manual_seed(1)
     out = rollout.generate(model, tokenizer, {"prompt": ["123=", "4=", "98765="]}, cfg, torch.device("cpu"))
     with torch.no_grad():
-        logps, _, T, _ = rollout.forward_logps(model, out, slice(None), cfg.temperature)
+        logps, _, T, _ = forward.forward_logps(model, out, slice(None), cfg.temperature)
     mask = out.completion_mask[:, :T]
     torch.testing.assert_close(out.sampler_logps[:, :T] * mask, logps * mask, atol=1e-5, rtol=0)
 
@@ -95,12 +98,12 @@ def test_decode_samples_from_the_processed_distribution_and_stops_when_all_rows_
     cfg = gen_cfg(max_completion_length=1, temperature=0.7, top_k=5, top_p=0.9)
     prompt = tokenizer(["4172="], return_tensors="pt").input_ids  # [1, 5]
     scores = model(input_ids=prompt).logits[:, -1]
-    for process in rollout.sampling_processors(cfg, prompt, [0]):
+    for process in sampler.sampling_processors(cfg, prompt, [0]):
         scores = process(prompt, scores)
     want = torch.softmax(scores, -1)[0]  # [V]
     n = 20000
     torch.manual_seed(0)
-    keys = rollout.row_keys(0, n, torch.device("cpu"))
+    keys = sampler.row_keys(0, n, torch.device("cpu"))
     ids, logps = rollout.decode(model.eval(), prompt.expand(n, -1), torch.ones(n, 5, dtype=torch.long), cfg, [0], 0,
                                 keys)
     got = torch.bincount(ids[:, 0], minlength=len(want)).float() / n
@@ -133,8 +136,8 @@ def test_chunks_and_static_cache_give_the_samples_of_one_call_with_a_bounded_kv_
     torch.testing.assert_close(chunked.sampler_logps, whole.sampler_logps, atol=1e-5, rtol=0)
     other_seed = rollout.generate(model, tokenizer, {"prompt": prompts}, gen_cfg(max_completion_length=12), CPU, seed=8)
     assert not torch.equal(other_seed.completion_ids, whole.completion_ids)
-    p, m = rollout.prompt_tensors(rollout.tokenize_prompts(tokenizer, prompts), tokenizer.pad_token_id, 3, CPU)
-    keys = rollout.row_keys(7, len(p), CPU)
+    p, m = prompting.prompt_tensors(prompting.tokenize_prompts(tokenizer, prompts), tokenizer.pad_token_id, 3, CPU)
+    keys = sampler.row_keys(7, len(p), CPU)
     with torch.no_grad():
         growing = rollout.decode(model.eval(), p, m, gen_cfg(max_completion_length=12), [0], 0, keys, static=False)
         static = rollout.decode(model, p, m, gen_cfg(max_completion_length=12), [0], 0, keys, static=True)
@@ -145,8 +148,8 @@ def test_chunks_and_static_cache_give_the_samples_of_one_call_with_a_bounded_kv_
 def test_compiled_decode_step_samples_what_the_eager_one_does(tiny):
     """--compile_decode: torch.compile over the static cache (CUDA graphs on a GPU; inductor here)."""
     model, tokenizer, _ = tiny
-    p, m = rollout.prompt_tensors(rollout.tokenize_prompts(tokenizer, ["12=", "34567="]), tokenizer.pad_token_id, 2, CPU)
-    keys = rollout.row_keys(3, len(p), CPU)
+    p, m = prompting.prompt_tensors(prompting.tokenize_prompts(tokenizer, ["12=", "34567="]), tokenizer.pad_token_id, 2, CPU)
+    keys = sampler.row_keys(3, len(p), CPU)
     with torch.no_grad():
         eager = rollout.decode(model.eval(), p, m, gen_cfg(max_completion_length=10), [0], 0, keys, static=True)
         compiled = rollout.decode(model, p, m, gen_cfg(max_completion_length=10, compile_decode=True), [0], 0, keys)
@@ -160,21 +163,21 @@ def test_log_probs_through_the_chunked_head_equal_the_full_logits(tiny, monkeypa
     gradients agree; a model that transforms its logits (Gemma-2's softcapping) keeps its own head."""
     model, tokenizer, _ = tiny
     batch = rollout.generate(model, tokenizer, {"prompt": ["123=", "4="]}, gen_cfg(max_completion_length=8), CPU, seed=1)
-    monkeypatch.setattr(rollout, "HEAD_CHUNK_ELEMENTS", 6 * 3 * model.config.vocab_size)
+    monkeypatch.setattr(forward, "HEAD_CHUNK_ELEMENTS", 6 * 3 * model.config.vocab_size)
     results = []
     for chunked in (True, False):
         model.zero_grad(set_to_none=True)
-        logps, entropy, T, _ = rollout.forward_logps(model.train(), batch, slice(None), 0.7, chunked=chunked)
+        logps, entropy, T, _ = forward.forward_logps(model.train(), batch, slice(None), 0.7, chunked=chunked)
         (logps * batch.completion_mask[:, :T]).sum().backward()
         results.append((logps.detach(), entropy, [p.grad.clone() for p in model.parameters()]))
     torch.testing.assert_close(results[0][0], results[1][0], atol=1e-6, rtol=0)
     torch.testing.assert_close(results[0][1], results[1][1], atol=1e-5, rtol=0)
     for a, b in zip(results[0][2], results[1][2]):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
-    assert rollout.plain_head(model)
+    assert forward.plain_head(model)
     model.config.final_logit_softcapping = 30.0
     try:
-        assert not rollout.plain_head(model)
+        assert not forward.plain_head(model)
     finally:
         del model.config.final_logit_softcapping
 
@@ -385,19 +388,19 @@ def test_images_enter_the_first_user_message_and_every_image_form_loads(tmp_path
 
     conversation = [{"role": "system", "content": "s"}, {"role": "user", "content": "q1"},
                     {"role": "user", "content": "q2"}]
-    out = rollout.with_images(conversation, [None, None])
+    out = prompting.with_images(conversation, [None, None])
     assert out[0] == conversation[0] and out[2] == conversation[2]
     assert out[1]["content"] == [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "q1"}]
     path = tmp_path / "a.png"
     Image.new("RGB", (4, 2), "red").save(path)
-    rows = rollout.row_images({"image": [Image.new("L", (3, 3)), str(path), {"bytes": path.read_bytes()}, None]})
+    rows = prompting.row_images({"image": [Image.new("L", (3, 3)), str(path), {"bytes": path.read_bytes()}, None]})
     assert [len(r) for r in rows] == [1, 1, 1, 0] and all(r[0].mode == "RGB" for r in rows[:3])
     assert rows[1][0].size == (4, 2)
-    assert [len(r) for r in rollout.row_images({"images": [[str(path)] * 2, []]})] == [2, 0]
-    assert rollout.row_images({"prompt": ["x"]}) is None
+    assert [len(r) for r in prompting.row_images({"images": [[str(path)] * 2, []]})] == [2, 0]
+    assert prompting.row_images({"prompt": ["x"]}) is None
     (tmp_path / "broken.png").write_text("not an image")
     with pytest.raises(SystemExit, match="cannot read image .*broken.png"):
-        rollout.row_images({"image": [str(tmp_path / "broken.png")]})
+        prompting.row_images({"image": [str(tmp_path / "broken.png")]})
 
 
 @pytest.mark.parametrize("family", ["llava", "idefics3", "qwen2vl"])
@@ -412,16 +415,16 @@ def test_vlm_training_forward_reproduces_the_sampler_log_probs(tmp_path, family,
 
     model, processor = models.load_model(build_vlm(tmp_path / family, family), vision=True)
     rows = load_dataset("json", data_files=image_dataset, split="train")[:3]
-    images = rollout.row_images(rows)
+    images = prompting.row_images(rows)
     assert [len(r) for r in images] == [1, 2, 1]
     torch.manual_seed(0)
     batch = rollout.generate(model, processor.tokenizer, rows, gen_cfg(num_generations=2, max_completion_length=8),
                              torch.device("cpu"), processor)
     assert batch.prompt_ids.shape[0] == 6 and (batch.prompt_mask == 0).any()  # left padding in the batch
-    placeholders = torch.tensor(rollout.image_token_ids(processor))
+    placeholders = torch.tensor(prompting.image_token_ids(processor))
     assert len(placeholders) and not torch.isin(batch.completion_ids, placeholders).any()
-    for rows_slice in rollout.micro_batches(6, 3):
-        logps, _, T, _ = rollout.forward_logps(model, batch, rows_slice, 1.0)
+    for rows_slice in forward.micro_batches(6, 3):
+        logps, _, T, _ = forward.forward_logps(model, batch, rows_slice, 1.0)
         mask = batch.completion_mask[rows_slice, :T]
         torch.testing.assert_close(logps * mask, batch.sampler_logps[rows_slice, :T], atol=2e-5, rtol=0)
 

@@ -19,6 +19,9 @@ import lora
 import metrics
 import models
 import rewards
+import batches
+import forward
+import sampler
 import rollout
 import train
 from test_train import cfg_for, read_metrics, run
@@ -45,7 +48,7 @@ def random_batch(B, prompt_len, T, vocab, seed=0):
     """A hand-built Rollout without padding: every prompt and completion full length."""
     g = torch.Generator().manual_seed(seed)
     completion_ids = torch.randint(1, vocab, (B, T), generator=g)
-    return rollout.Rollout(rows={"prompt": ["x"] * (B // 2)}, prompt_ids=torch.randint(1, vocab, (B, prompt_len), generator=g),
+    return batches.Rollout(rows={"prompt": ["x"] * (B // 2)}, prompt_ids=torch.randint(1, vocab, (B, prompt_len), generator=g),
                            prompt_mask=torch.ones(B, prompt_len, dtype=torch.long), completion_ids=completion_ids,
                            completion_mask=torch.ones(B, T, dtype=torch.long), truncated=torch.ones(B, dtype=torch.bool),
                            completion_lists=completion_ids.tolist(), texts=[""] * B)
@@ -324,7 +327,7 @@ def test_log_extra_columns_follow_their_completions_through_dynamic_sampling():
     assert first.logged_columns == {"index": [0, 1, 2, 3]} and first.logged_metrics == {"calls": [1.0]}
     picked = first.take([2, 3])
     assert picked.logged_columns == {"index": [2, 3]}
-    joined = rollout.concat([picked, second], tokenizer.pad_token_id)
+    joined = batches.concat([picked, second], tokenizer.pad_token_id)
     assert joined.logged_columns == {"index": [2, 3, None, None]}
 
     def wrong_length(completions, log_extra, **kwargs):
@@ -368,7 +371,7 @@ def test_generation_kwargs_shape_what_is_sampled_and_keep_the_log_probs_of_the_p
         batch = rollout.generate(model, tokenizer, dataset[:4], cfg, CPU, seed=0)
         assert all(holds(ids) for ids in batch.completion_lists), name
         with torch.no_grad():
-            logps, _, T, _ = rollout.forward_logps(model, batch, slice(None), cfg.temperature)
+            logps, _, T, _ = forward.forward_logps(model, batch, slice(None), cfg.temperature)
         mask = batch.completion_mask[:, :T].bool()
         torch.testing.assert_close(batch.sampler_logps[:, :T][mask], logps[mask], atol=1e-5, rtol=0)
     plain = config.parse_config(["--num_generations", "16", "--max_completion_length", "6"])
@@ -396,7 +399,7 @@ def test_generation_kwargs_flags_aliases_and_vllm_sampling_params():
     assert config.sampler_logps_exact(dataclasses.replace(cfg, top_k=0, generation_kwargs={"stop_token_ids": [1]},
                                                           temperature=0.7))
     _, tokenizer, _ = data.embedded_task(seed=0)
-    converted = rollout.with_bad_word_ids(cfg, tokenizer).generation_kwargs
+    converted = sampler.with_bad_word_ids(cfg, tokenizer).generation_kwargs
     assert "bad_words" not in converted and converted["bad_words_ids"][0] == [4, 5]
 
 
@@ -413,7 +416,7 @@ def test_steps_per_generation_splits_a_batch_into_optimizer_steps_against_the_sa
     batch = rollout.generate(model, tokenizer, dataset[:4], cfg, CPU, seed=0)
     scores = train.Scores(None, None, batch.completion_mask.float(), torch.linspace(-1, 1, 16))
     with torch.no_grad():
-        sampling = (rollout.forward_logps(model, batch, slice(None), 1.0)[0] * scores.loss_mask).sum(-1)
+        sampling = (forward.forward_logps(model, batch, slice(None), 1.0)[0] * scores.loss_mask).sum(-1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     seen = []
@@ -452,8 +455,8 @@ def test_pad_to_multiple_of_pads_the_forward_and_changes_no_log_prob():
     hook = model.register_forward_pre_hook(lambda m, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]),
                                            with_kwargs=True)
     with torch.no_grad():
-        plain, _, T, _ = rollout.forward_logps(model, batch, slice(None), 1.0)
-        padded, _, T_padded, _ = rollout.forward_logps(model, batch, slice(None), 1.0, pad_to=8)
+        plain, _, T, _ = forward.forward_logps(model, batch, slice(None), 1.0)
+        padded, _, T_padded, _ = forward.forward_logps(model, batch, slice(None), 1.0, pad_to=8)
     hook.remove()
     assert lengths[1] % 8 == 0 and lengths[1] > lengths[0] and T == T_padded
     torch.testing.assert_close(padded, plain, atol=1e-5, rtol=0)

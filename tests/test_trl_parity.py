@@ -31,7 +31,9 @@ import torch
 trl = pytest.importorskip("trl")
 pytest.importorskip("accelerate")
 
+import forward  # noqa: E402
 import models  # noqa: E402
+import prompting  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
 from rewards import RewardFunctions  # noqa: E402
@@ -116,15 +118,15 @@ def run_ours(policy, ref, tokenizer, completions, opts, monkeypatch, inject=None
         "--gradient_checkpointing", "false", "--mask_truncated_completions", str(opts["mask_truncated"]).lower(),
         "--normalize_advantages", str(opts["normalize"]).lower()])
     # prompts: as rollout.generate tokenizes and pads them
-    prompt_ids, prompt_mask = rollout.prompt_tensors(rollout.tokenize_prompts(tokenizer, PROMPTS),
+    prompt_ids, prompt_mask = prompting.prompt_tensors(prompting.tokenize_prompts(tokenizer, PROMPTS),
                                                      tokenizer.pad_token_id, G, torch.device("cpu"))
     T = max(len(c) for c in completions)
-    completion_ids = rollout.pad(completions, tokenizer.pad_token_id)
+    completion_ids = prompting.pad(completions, tokenizer.pad_token_id)
     batch = rollout.finish({"prompt": PROMPTS}, prompt_ids, prompt_mask, completion_ids,
-                           torch.zeros(completion_ids.shape), rollout.eos_token_ids(tokenizer, model), tokenizer)
+                           torch.zeros(completion_ids.shape), prompting.eos_token_ids(tokenizer, model), tokenizer)
     assert batch.completion_lists == completions
     with torch.no_grad():  # the sampler's log-probs: at the first step, the policy's own (no-grad forward)
-        logps, _, T_used, _ = rollout.forward_logps(model, batch, slice(None), cfg.temperature)
+        logps, _, T_used, _ = forward.forward_logps(model, batch, slice(None), cfg.temperature)
     assert T_used == T
     batch.sampler_logps = logps * batch.completion_mask
     out = train.score(cfg, batch, RewardFunctions([make_reward(opts["unscorable"])]), model=model, ref_model=ref,

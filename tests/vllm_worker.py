@@ -13,8 +13,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import distributed  # noqa: E402
+import forward  # noqa: E402
 import lora  # noqa: E402
 import models  # noqa: E402
+import prompting  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
 import vllm_rollout  # noqa: E402
@@ -28,7 +30,7 @@ cfg = train.parse_config(["--use_vllm", "--bf16", "false", "--num_generations", 
                           os.path.join(os.path.dirname(out_path), "vllm_run")] + flags)
 model, tokenizer = models.load_model(cfg.model)
 initial = copy.deepcopy(model).eval()  # the weights the engine loaded: a stale engine would still sample from these
-eos_ids = rollout.eos_token_ids(tokenizer, model)
+eos_ids = prompting.eos_token_ids(tokenizer, model)
 if cfg.use_peft:  # the engine gets W + (alpha / r) B A
     model = lora.add_adapter(model, lora.settings(cfg))
 model = models.prepare_model(model, cfg, trainable=True)
@@ -43,8 +45,8 @@ report = {"drift": []}
 for step in range(3):
     batch = generator.generate({"prompt": prompts})  # pushes the weights of the last step first
     with torch.no_grad():  # the log-probs vLLM returned vs the trainer's forward on the same (pushed) weights
-        logps, _, T, _ = rollout.forward_logps(model, batch, slice(None), cfg.temperature)
-        initial_logps, _, _, _ = rollout.forward_logps(initial, batch, slice(None), cfg.temperature)
+        logps, _, T, _ = forward.forward_logps(model, batch, slice(None), cfg.temperature)
+        initial_logps, _, _, _ = forward.forward_logps(initial, batch, slice(None), cfg.temperature)
     mask = batch.completion_mask[:, :T]
     report["drift"].append(((batch.sampler_logps[:, :T] - logps).abs() * mask).max().item())
     report["moved"] = ((batch.sampler_logps[:, :T] - initial_logps).abs() * mask).max().item()

@@ -1,0 +1,141 @@
+"""Prompts as the model sees them: chat template, token ids, images; the one padding helper; the
+ids that end a completion. Shared by every generator (rollout.py, vllm_rollout.py, environments.py)
+and by the metrics."""
+import io
+
+import torch
+import torch.nn.functional as F
+
+from config import fail
+
+
+def is_conversational(prompt):
+    """A conversational prompt is a list of {"role", "content"} messages; a standard one a
+    string."""
+    return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
+
+
+def is_token_ids(prompt):
+    """A prompt given as token ids (environments.py continues a trajectory this way)."""
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(x, int) for x in prompt)
+
+
+def repeat_each(values, G):
+    """Each value G times, adjacent: a prompt's columns for its G completions."""
+    return [v for v in values for _ in range(G)]
+
+
+def pad(pieces, value, left=False):
+    """Rows of different lengths (id lists, or [b, t] tensors) -> one [rows, longest] tensor padded
+    with value, on the left (prompts, so that each ends where generation starts) or the right."""
+    pieces = [p if isinstance(p, torch.Tensor) else torch.tensor([p], dtype=None if p else int)
+              for p in pieces]
+    width = max(p.shape[1] for p in pieces)
+    return torch.cat([F.pad(p, (width - p.shape[1], 0) if left else (0, width - p.shape[1]),
+                            value=value) for p in pieces])
+
+
+def prompt_texts(tokenizer, prompts, chat_template_kwargs=None, images=None):
+    """Conversational prompts get the chat template with add_generation_prompt=True; strings pass
+    through. With images (a list per row; tokenizer is then the processor) they enter the first
+    user message as image parts."""
+    if images is not None:
+        prompts = [with_images(p, row) for p, row in zip(prompts, images)]
+    options = chat_template_kwargs or {}
+    return [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True, **options)
+            if is_conversational(p) else p for p in prompts]
+
+
+def tokenize_prompts(tokenizer, prompts, chat_template_kwargs=None):
+    """Prompt token ids as TRL makes them: a conversation gets the chat template, which writes its
+    own special tokens; a standard string gets the tokenizer's (BOS for Llama, Gemma or Mistral,
+    nothing for Qwen or SmolLM2)."""
+    if prompts and all(is_token_ids(p) for p in prompts):  # a multi-turn trajectory so far
+        return [list(p) for p in prompts]
+    texts = prompt_texts(tokenizer, prompts, chat_template_kwargs)
+    standard = [not is_conversational(p) for p in prompts]
+    ids = {}
+    for flag in set(standard):
+        chosen = [t for t, s in zip(texts, standard) if s == flag]
+        ids[flag] = iter(tokenizer(chosen, add_special_tokens=flag).input_ids)
+    return [next(ids[s]) for s in standard]
+
+
+def prompt_tensors(id_lists, pad_id, G, device):
+    """Each prompt's ids G times, left-padded -> prompt_ids, prompt_mask [P * G, longest]."""
+    ids = pad(repeat_each(id_lists, G), pad_id, left=True)
+    mask = pad(repeat_each([[1] * len(p) for p in id_lists], G), 0, left=True)
+    return ids.to(device), mask.to(device)
+
+
+def with_images(messages, images, part=lambda image: {"type": "image"}):
+    """The conversation with one image part per image at the front of its first user message."""
+    out, placed = [], False
+    for message in messages:
+        if not placed and message["role"] == "user":
+            content = message["content"]
+            parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+            message = {**message, "content": [part(image) for image in images] + list(parts)}
+            placed = True
+        out.append(message)
+    return out
+
+
+def row_images(rows):
+    """Each row's images as RGB PIL images (column `image`: one per row, `images`: a list), None
+    without such a column. Takes PIL images, file paths and an undecoded `datasets` Image's dicts.
+    An image that does not load stops the run with one line naming it."""
+    if "image" in rows:
+        per_row = [[] if x is None else [x] for x in rows["image"]]
+    elif "images" in rows:
+        per_row = [x or [] for x in rows["images"]]
+    else:
+        return None
+    return [[load_image(x) for x in row] for row in per_row]
+
+
+def load_image(x):
+    from PIL import Image
+
+    try:
+        if isinstance(x, dict):
+            x = io.BytesIO(x["bytes"]) if x.get("bytes") else x["path"]
+        return (x if isinstance(x, Image.Image) else Image.open(x)).convert("RGB")
+    except (OSError, KeyError, TypeError, AttributeError) as e:  # PIL's errors are OSErrors
+        fail(f"cannot read image {str(x)[:200]!r}: {e}. Image columns take PIL images, image file "
+             "paths, or {'bytes': ..., 'path': ...} dicts")
+
+
+def processor_inputs(processor, texts, images, device):
+    """The processor's tensors for prompt texts and their images, left-padded: input_ids,
+    attention_mask and the model's pixel inputs (pixel_values, image_grid_thw, ...). Their layout
+    differs per family (patches concatenated, images stacked, padded per row), so any subset of rows
+    is processed again, never sliced."""
+    enc = processor(text=texts, images=images if any(images) else None, padding=True,
+                    padding_side="left", return_tensors="pt")
+    return {k: v.to(device) for k, v in enc.items()}
+
+
+def pixel_inputs_for(processor, prompts, images, G, device, chat_template_kwargs=None):
+    """rows -> the processor's tensors for that slice of the B = P*G rows (each prompt and its
+    images G times)."""
+    texts = repeat_each(prompt_texts(processor, prompts, chat_template_kwargs, images), G)
+    images = repeat_each(images, G)
+    return lambda rows: processor_inputs(processor, texts[rows], images[rows], device)
+
+
+def image_token_ids(processor):
+    """Placeholder ids the policy must never sample: the forward pairs each with an image
+    feature."""
+    names = ("image_token_id", "video_token_id")
+    return sorted(v for k, v in vars(processor).items() if k.endswith(names) and isinstance(v, int))
+
+
+def eos_token_ids(tokenizer, model, cfg=None):
+    """Every id that ends a completion: the tokenizer's EOS, the model's generation_config EOS (may
+    be a list) and generation_kwargs' stop_token_ids."""
+    stop_ids = ((cfg and cfg.generation_kwargs) or {}).get("stop_token_ids", [])
+    ids = {tokenizer.eos_token_id, *stop_ids}
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+    return sorted(i for i in ids if i is not None)
