@@ -143,7 +143,9 @@ def prepare_model(model, cfg, trainable, device=torch.device("cpu")):
     if head is not None:  # its own group: gathered and computed in fp32
         fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
         fully_shard(head, **{**options, "mp_policy": fp32})
-    fully_shard(model, **options)
+    # the root keeps its weights gathered after forward for the backward that follows; a frozen
+    # model has none, so its root reshards too (else its embeddings and head stay gathered)
+    fully_shard(model, **options, reshard_after_forward=None if trainable else True)
     # the policy's generate() is a root forward too: VLMs encode images (in sharded towers); it is
     # registered before the root's own first forward, which must come first
     if trainable:

@@ -60,7 +60,7 @@ class DecodeSession:
     samples are a function of (seed, trajectory)."""
     loop: DecodeLoop
     rows: range
-    static: bool | None = None  # as decode's (None: on a GPU or when compiling)
+    static: bool | None = None  # as decode's (None: static_cache's choice)
     state: "Decoding | None" = None
     members: list = field(default_factory=list)  # the trajectory of each of the state's rows
 
@@ -179,7 +179,10 @@ def unsharded(model):
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
+        # FSDP2's own defaults back: every unit reshards after forward but the root, whose
+        # weights backward needs at once (recursing with True alone would reshard it too)
         model.set_reshard_after_forward(True)
+        model.set_reshard_after_forward(False, recurse=False)
 
 
 def decode_in_chunks(model, prompt_ids, prompt_mask, cfg, eos_ids, pad_id, seed):
@@ -272,9 +275,9 @@ def decode(model, prompt_ids, prompt_mask, cfg, eos_ids, pad_id, keys, static=No
     """HF generate's sampling without its per-token bookkeeping (a third of a small model's decode
     step on CPU). One forward per token on the KV cache; HF's processors, in order; log pi_T of each
     token from the raw logits; rows that ended get padding; stops once every row has (checked every
-    END_CHECK_EVERY tokens). Ids and mask live in buffers sized for the whole generation; on a GPU
-    the cache is static (fixed shapes, so --compile_decode can capture the step in a CUDA graph).
-    keys [B]: each row's noise key (row_keys); static None: on a GPU or when compiling.
+    END_CHECK_EVERY tokens). Ids and mask live in buffers sized for the whole generation; the cache
+    is static only under --compile_decode (static_cache). keys [B]: each row's noise key (row_keys);
+    static None: static_cache's choice.
     state: a Decoding to extend by this turn, prompt_ids [B, E] then being each row's tokens not yet
     in its cache, right-aligned (a row with none sits the turn out).
     -> completion_ids [B, T] and their log pi_T [B, T]"""
@@ -317,9 +320,17 @@ def decode(model, prompt_ids, prompt_mask, cfg, eos_ids, pad_id, keys, static=No
     return ids[:, L:L + t + 1].clone(), logps[:, :t + 1]
 
 
+def static_cache(device_type, cfg):
+    """Whether decode keeps HF's StaticCache: only under --compile_decode, whose CUDA graphs need
+    fixed shapes, and on every device alike. A StaticLayer reports its whole capacity as the key
+    length (transformers 5.19), so the mask stays and attention reads capacity keys per token, not
+    the L + t written so far (KVBuffer's)."""
+    return bool(cfg.compile_decode)
+
+
 def new_decoding(model, rows, columns, static, pad_id, device, cfg):
-    """static None: on a GPU or when compiling."""
-    static = device.type == "cuda" or cfg.compile_decode if static is None else static
+    """static None: static_cache's choice."""
+    static = static_cache(device.type, cfg) if static is None else static
     width = round_up(columns, 256) if static else columns  # few distinct shapes: few compilations
     return Decoding(torch.full((rows, width), pad_id, device=device),
                     torch.zeros((rows, width), dtype=torch.long, device=device),

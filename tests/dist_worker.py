@@ -1,6 +1,7 @@
 """One optimizer step on a fixed global batch of 16 completions, run as 1 process or under torchrun with N ranks
 (each rank takes its slice of whole groups). Rank 0 saves loss, grad norm and the full updated weights to argv[1]."""
 
+import dataclasses
 import os
 import sys
 
@@ -10,6 +11,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
 import distributed  # noqa: E402
+import forward  # noqa: E402
 import lora  # noqa: E402
 import models  # noqa: E402
 import rollout  # noqa: E402
@@ -34,13 +36,20 @@ if cfg.use_peft:  # B drawn at random, the same on every rank, so that A gets a 
         if "lora_B" in name:
             p.data.copy_(torch.randn(p.shape, generator=g) * 0.05)
 model = models.prepare_model(model, cfg, trainable=True)
+# a frozen reference, synced after the step (TR-DPO: ref <- ref + alpha (pi - ref)) after a no-grad forward
+ref = models.prepare_model(data.embedded_task(seed=1)[0], cfg, trainable=False)
+forward.batch_logps(ref, batch, cfg)
 # updated weights = w - grad: compares the gradients
 optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
 scores = train.Scores(None, None, batch.completion_mask.float(), advantages[rows])
 _, stats, grad_norm, _ = train.policy_step(cfg, model, optimizer, scheduler, batch, scores)
 stats = distributed.reduce_sums(stats)
-state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+models.sync_reference(dataclasses.replace(cfg, sync_ref_model=True, ref_model_sync_steps=1,
+                                          ref_model_mixup_alpha=0.5), model, ref, step=1)
+options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+state, ref_state = get_model_state_dict(model, options=options), get_model_state_dict(ref, options=options)
 if rank == 0:
-    torch.save({"loss": stats["loss"] / world_size, "grad_norm": grad_norm.item(), "state": state}, sys.argv[1])
+    torch.save({"loss": stats["loss"] / world_size, "grad_norm": grad_norm.item(), "state": state, "ref": ref_state},
+               sys.argv[1])
 distributed.shutdown()  # after rank 0 has saved; see distributed.wait_for_gloo_workers

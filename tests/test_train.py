@@ -17,9 +17,9 @@ import torch
 import checkpoint
 import data
 import distributed
+import forward
 import metrics
 import rewards
-import forward
 import rollout
 import train
 from conftest import requires_vllm
@@ -395,6 +395,11 @@ def test_two_process_fsdp_step_equals_one_process_step(tmp_path, flags, tol, wei
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=tol)
     diff = max((one["state"][k] - two["state"][k]).abs().max().item() for k in one["state"])
     assert diff < weights_tol, diff
+    # the frozen reference (bf16 under --bf16) synced halfway to the updated policy, on one rank and on two
+    ref0 = data.embedded_task(seed=1)[0].state_dict()
+    for out in (one, two):
+        synced = max((out["ref"][k].float() - (ref0[k] + out["state"][k]) / 2).abs().max().item() for k in ref0)
+        assert synced < 4e-3, synced
 
 
 def test_gradient_checkpointing_and_bf16_change_memory_not_math():

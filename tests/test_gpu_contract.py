@@ -1,0 +1,108 @@
+"""The GPU path's contract, read on the CPU: what one step may cost in collectives, key lengths and kernels over
+[B, vocab]. Collective counts, tensor shapes and op counts are the same on a CPU as on a GPU, so each defect a
+reading of the GPU path found has a counter here that fails when the defect is put back (README 'On GPUs')."""
+
+import collections
+import contextlib
+
+import pytest
+import torch
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+from torch.distributed.tensor import DTensor
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+import data
+import models
+import rollout
+from test_train import cfg_for
+
+
+@contextlib.contextmanager
+def counted_gathers(monkeypatch):
+    """FSDP2 parameter groups gathered (an all-gather each at world size > 1; a one-process group skips the
+    collective itself, not the gather), by group: "root" or the first parameter's module path."""
+    counts, unshard = collections.Counter(), FSDPParamGroup.unshard
+
+    def counting(group, *args, **kwargs):
+        pending = group._all_gather_result is not None or group.is_unsharded
+        unshard(group, *args, **kwargs)
+        if not pending and group._all_gather_result is not None:
+            counts.update(["gathers"])
+
+    monkeypatch.setattr(FSDPParamGroup, "unshard", counting)
+    yield counts
+    monkeypatch.undo()
+
+
+def forward_backward(model, ids):
+    model(input_ids=ids).logits.float().sum().backward()
+
+
+# ------------------------------------------------------------------------------------------- the decode cache
+
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
+def test_the_static_cache_belongs_to_compile_decode_alone_on_every_device(device_type):
+    """A CUDA decode once always took the full-width StaticCache: attention then read capacity keys per token."""
+    assert not rollout.static_cache(device_type, cfg_for(compile_decode=False))
+    assert rollout.static_cache(device_type, cfg_for(compile_decode=True))
+
+
+def test_at_decode_step_t_attention_sees_at_most_prompt_plus_t_plus_one_keys(monkeypatch):
+    """Key length and key heads as the SDPA kernel gets them, with GQA (4 query heads, 2 key heads): L + t + 1 keys
+    at the t-th one-token step; an unpadded batch keeps its 2 key heads (enable_gqa), a left-padded one needs a mask,
+    with which transformers' SDPA path expands keys to the 4 query heads (repeat_kv; FlashAttention-2 through
+    --model_init_kwargs attn_implementation avoids it on a GPU)."""
+    seen, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def counting(query, key, value, *args, **kwargs):
+        seen.append((query.shape[2], key.shape[1], key.shape[2]))
+        return sdpa(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
+    config = Qwen2Config(vocab_size=16, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    cfg, T = cfg_for(max_completion_length=6), 6
+    for ids, mask, heads in [([[3, 4, 5], [6, 7, 8]], [[1, 1, 1], [1, 1, 1]], 2),
+                             ([[0, 4, 5], [6, 7, 8]], [[0, 1, 1], [1, 1, 1]], 4)]:
+        seen.clear()
+        with torch.no_grad():
+            rollout.decode(model, torch.tensor(ids), torch.tensor(mask), cfg, [15], 0, torch.tensor([1, 2]))
+        L, steps = len(ids[0]), [s for s in seen if s[0] == 1]
+        assert len(steps) == T - 1
+        assert [keys for _, _, keys in steps] == [L + t + 1 for t in range(T - 1)]
+        assert {h for _, h, _ in steps} == {heads}
+
+
+# ------------------------------------------------------------------------------------------- FSDP2 (bf16, one process)
+
+IDS = torch.tensor([[1, 2, 3, 4, 5, 6]] * 2)
+
+
+def test_all_gathers_per_forward_backward_are_the_same_before_and_after_a_generation(process_group, monkeypatch):
+    """unsharded() gathers the policy once for a generation and must leave FSDP2's own settings behind: the root
+    (embeddings, head, final norm) stays gathered from forward to backward, as before (it once resharded after every
+    forward for the rest of the run: one extra all-gather per micro-batch). The first generation comes before the
+    first training forward, as in train.py."""
+    cfg, counts = cfg_for(bf16=True), []
+    for generate_first in (False, True):
+        model = models.prepare_model(data.embedded_task(seed=0)[0], cfg, trainable=True)
+        for generation in ([generate_first, True]):
+            if generation:
+                with rollout.unsharded(model), torch.no_grad():
+                    model(input_ids=IDS)
+            with counted_gathers(monkeypatch) as count:
+                forward_backward(model, IDS)
+            counts.append(count["gathers"])
+    assert counts[0] == 1 + 2 * 2  # the root once, each of the 2 layers in forward and again in backward
+    assert set(counts) == {counts[0]}, counts
+
+
+def test_a_frozen_model_holds_no_gathered_parameter_between_forwards(process_group):
+    """The reference (and reward models) run no backward, so their FSDP2 root must reshard after forward: otherwise
+    its embeddings and head stay gathered, full size, on every rank for the whole run."""
+    ref = models.prepare_model(data.embedded_task(seed=0)[0], cfg_for(bf16=True), trainable=False)
+    with torch.no_grad():
+        ref(input_ids=IDS)
+    assert all(isinstance(p, DTensor) for p in ref.parameters())
