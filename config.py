@@ -368,8 +368,8 @@ class Config:
     vllm_weight_sync: Literal["auto", "nccl", "file"] = arg("auto",
         "Server mode: how weights reach the server after a step. nccl: vLLM's weight-transfer "
         'engine from rank 0 (the server needs --weight-transfer-config \'{"backend": "nccl"}\', as '
-        "launch.sh starts it); file: safetensors in --vllm_sync_dir; auto: nccl on a GPU, file on "
-        "CPU.")
+        "launch.sh starts it on GPUs of its own); file: safetensors in --vllm_sync_dir; auto: on a "
+        "GPU the server's own backend (nccl, or ipc when it shares rank 0's GPU), file on CPU.")
     vllm_sync_dir: str | None = arg(None,
         "Server mode: directory (shared with the server) for the weight push (default "
         "output_dir/vllm_weights).")

@@ -15,18 +15,19 @@ import time
 import torch
 import torch.distributed as dist
 
+from config import fail
+
 
 def setup_distributed(timeout=1800.0):
     """The device of this process and the process group (NCCL on GPU, gloo on CPU): torchrun's, or
     one of a single process (an in-memory store, no ports). timeout: seconds a collective may wait
     (--ddp_timeout), e.g. for rank 0's weight push to a vLLM server."""
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    # torchrun may start more processes per node than this node shows GPUs
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank() + 1))
+    device = device_for(local_rank(), processes, gpu_count)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
-        device = torch.device("cpu")
         warn_if_gpus_are_hidden()
     if dist.is_initialized():  # a caller in this process set it up (tests, bench.py)
         return device
@@ -36,6 +37,20 @@ def setup_distributed(timeout=1800.0):
         options.update(store=dist.HashStore(), rank=0, world_size=1)
     dist.init_process_group(process_group_backend(device), **options)
     return device
+
+
+def device_for(rank_on_node, local_processes, gpu_count):
+    """The device of the process with this rank on its node (LOCAL_RANK): its own GPU, or the CPU
+    where the node shows none. local_processes: how many this node runs (LOCAL_WORLD_SIZE). More
+    processes than GPUs is one line: two ranks on one GPU would share its memory, and NCCL refuses
+    a group that holds one GPU twice."""
+    if gpu_count == 0:
+        return torch.device("cpu")
+    if local_processes > gpu_count:
+        fail(f"{local_processes} processes on this node but {gpu_count} visible GPU(s), so two "
+             f"ranks would share a GPU: start at most {gpu_count} (torchrun --nproc_per_node, "
+             "launch.sh's NPROC_PER_NODE) or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+    return torch.device("cuda", rank_on_node)
 
 
 def warn_if_gpus_are_hidden():

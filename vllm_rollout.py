@@ -15,6 +15,7 @@ import base64
 import functools
 import io
 import json
+import math
 import os
 import socket
 import time
@@ -359,20 +360,25 @@ def push_weights_colocate(engine, model):
 # ---------------------------------------------------------------------------------------------
 
 class ServerEngine:
-    """A running `vllm serve`, once it answers its health check. The weights go over NCCL (vLLM's
-    weight-transfer engine) on a GPU, else through a shared directory (--vllm_weight_sync)."""
+    """A running `vllm serve`, once it answers its health check. On a GPU the weights go through
+    vLLM's weight-transfer engine with the backend the server was started with (NCCL to GPUs of its
+    own, CUDA IPC on the trainer's GPU); on CPU, or with --vllm_weight_sync file, through a shared
+    directory."""
 
     def __init__(self, cfg, model, device):
-        self.cfg, self.weights_gone = cfg, False
+        self.cfg, self.weights_gone, self.transfer = cfg, False, None
         self.base_url = (cfg.vllm_server_base_url or
                          f"http://{cfg.vllm_server_host}:{cfg.vllm_server_port}").rstrip("/")
         wait_for_server(self.base_url, cfg.vllm_server_timeout)
-        if weight_sync_mode(cfg, device) == "nccl":
-            self.push = nccl_pusher(cfg, model, self.base_url)
-        else:
+        backend = functools.partial(server_transfer_backend, self.base_url, cfg.vllm_server_timeout)
+        mode = weight_sync_mode(cfg, device, backend)
+        if mode == "file":
             sync_dir = cfg.vllm_sync_dir or os.path.join(cfg.output_dir, "vllm_weights")
             self.push = functools.partial(push_weights_server, self.base_url, model,
                                           os.path.abspath(sync_dir), push_dtype(cfg))
+        else:  # the trainer's side of the transfer group, kept until close
+            self.transfer = weight_transfer(mode, cfg, model, self.base_url)
+            self.push = functools.partial(push_transfer, self.transfer, self.base_url)
 
     def sample(self, prompts, prompt_lists, images, sampling):
         timeout, url = self.cfg.vllm_server_timeout, self.base_url
@@ -382,14 +388,49 @@ class ServerEngine:
         return server_generate(url, prompt_lists, sampling, timeout)
 
     def close(self):
-        pass
+        """The weight-transfer group, shut down on both sides (rank 0's NCCL communicator, the
+        server's), so that the server takes the next trainer's."""
+        if self.transfer is None:
+            return
+        self.transfer.shutdown()
+        if distributed.is_main():
+            http(self.base_url + "/shutdown_weight_transfer_engine", {})
+        self.transfer = None
 
 
-def weight_sync_mode(cfg, device):
-    """--vllm_weight_sync auto: NCCL where the trainer has a GPU, the shared directory on CPU."""
-    if cfg.vllm_weight_sync != "auto":
-        return cfg.vllm_weight_sync
-    return "nccl" if device.type == "cuda" else "file"
+def weight_sync_mode(cfg, device, server_backend):
+    """How the weights reach the server: "file" (a shared directory) for a CPU trainer or with
+    --vllm_weight_sync file; otherwise the backend of the server's weight-transfer engine: "nccl"
+    (a server on GPUs of its own) or "ipc" (a server on the trainer's GPU, as launch.sh starts it
+    on one GPU: NCCL refuses a group that holds one GPU twice). server_backend: () -> the server's
+    backend or None, asked only on a GPU."""
+    if cfg.vllm_weight_sync == "file" or (cfg.vllm_weight_sync == "auto" and device.type != "cuda"):
+        return "file"
+    backend = server_backend()
+    if backend == "nccl" or (backend == "ipc" and cfg.vllm_weight_sync == "auto"):
+        return backend
+    if backend == "ipc":
+        fail("--vllm_weight_sync nccl, but the vLLM server takes the weights over CUDA IPC (it "
+             "shares the trainer's GPU, and NCCL refuses one GPU twice in a group): drop "
+             "--vllm_weight_sync, or serve on other GPUs with --weight-transfer-config "
+             "'{\"backend\": \"nccl\"}'")
+    has = f"weight-transfer backend {backend!r}" if backend else "no weight-transfer engine"
+    fail(f"the vLLM server has {has}: start it with --weight-transfer-config "
+         "'{\"backend\": \"nccl\"}' on GPUs of its own or '{\"backend\": \"ipc\"}' on the "
+         "trainer's (launch.sh does), or pass --vllm_weight_sync file with a --vllm_sync_dir both "
+         "sides see")
+
+
+def server_transfer_backend(base_url, timeout=60.0):
+    """The backend of the server's weight-transfer engine (--weight-transfer-config; None without
+    one), from its dev-mode /server_info. ipc takes pickled CUDA IPC handles over HTTP, which vLLM
+    refuses without VLLM_ALLOW_INSECURE_SERIALIZATION=1: one line here, not at the first push."""
+    info = http(base_url + "/server_info?config_format=json", timeout=timeout)
+    backend = (info["vllm_config"].get("weight_transfer_config") or {}).get("backend")
+    if backend == "ipc" and not info["vllm_env"].get("VLLM_ALLOW_INSECURE_SERIALIZATION"):
+        fail(f"the vLLM server at {base_url} takes the weights over CUDA IPC but refuses the "
+             "handles: start it with VLLM_ALLOW_INSECURE_SERIALIZATION=1 (launch.sh does)")
+    return backend
 
 
 def push_dtype(cfg):
@@ -491,9 +532,10 @@ def server_model_name(base_url):
 
 
 def push_weights_server(base_url, model, sync_dir, dtype):
-    """Without NCCL (a CPU trainer, or --vllm_weight_sync file): rank 0 writes the full weights in
-    `dtype` as safetensors to a directory the server can read (a shared filesystem), the server
-    reloads them in place, and its prefix and image-feature caches are reset."""
+    """Without a weight-transfer engine (a CPU trainer, or --vllm_weight_sync file): rank 0 writes
+    the full weights in `dtype` as safetensors to a directory the server can read (a shared
+    filesystem), the server reloads them in place, and its prefix and image-feature caches are
+    reset."""
     from safetensors.torch import save_file
 
     weights = {}
@@ -516,17 +558,35 @@ def reset_server_caches(base_url):
     http(base_url + "/reset_encoder_cache", {})  # image features computed with the old vision tower
 
 
-def nccl_pusher(cfg, model, base_url):
-    """vLLM's own weight-transfer engine (vllm/distributed/weight_transfer/nccl_engine.py): trainer
-    rank 0 joins the server's workers in an NCCL group once, then each push broadcasts every weight
-    from the GPU in the sampler's dtype, in 1 GiB packed buckets, while the other ranks take part in
-    the FSDP2 all-gathers. The server is paused around the update (its layers are being rebuilt) and
-    its caches reset after. -> push()"""
+def weight_transfer(backend, cfg, model, base_url):
+    """The trainer's side of vLLM's weight-transfer engine (vllm/distributed/weight_transfer/), on
+    every rank: each push gathers every weight on the GPU in the sampler's dtype (the other ranks
+    take part in the FSDP2 all-gathers) and rank 0 sends it. "nccl": rank 0 joins the server's
+    workers in an NCCL group once, then broadcasts in 1 GiB packed buckets. "ipc" (the server on
+    rank 0's GPU): rank 0 packs the weights into one reused buffer whose CUDA IPC handle the server
+    opens, a bucket at a time. -> the engine (send_weights(), shutdown())"""
     from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
+
+    source = PolicyWeights(model, push_dtype(cfg))
+    client = HTTPVLLMWeightSyncClient(base_url, timeout=cfg.vllm_server_timeout)
+    try:
+        if backend == "ipc":
+            return ipc_transfer(source, client)
+        return nccl_transfer(source, client, base_url)
+    except Exception as e:  # noqa: BLE001 (requests', CUDA's and NCCL's errors)
+        needs = {"nccl": "GPUs other than trainer rank 0's (NCCL refuses one GPU twice in a "
+                         "group; on rank 0's own GPU serve with the ipc backend)",
+                 "ipc": "trainer rank 0's GPU (on GPUs of its own serve with the nccl backend)"}
+        reason = (str(e).strip() or type(e).__name__).splitlines()[0][:200]
+        fail(f"{backend} weight sync with the vLLM server at {base_url} failed ({reason}): it "
+             f"needs the server on {needs[backend]}, as launch.sh starts it; or pass "
+             "--vllm_weight_sync file with a --vllm_sync_dir both sides see")
+
+
+def nccl_transfer(source, client, base_url):
     from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerInitInfo,
                                                               NCCLTrainerWeightTransferEngine)
 
-    source = PolicyWeights(model, push_dtype(cfg))
     address, port, world = None, None, None
     if distributed.is_main():
         local = urllib.parse.urlparse(base_url).hostname in ("127.0.0.1", "localhost")
@@ -534,24 +594,35 @@ def nccl_pusher(cfg, model, base_url):
         port, world = free_port(), 1 + http(base_url + "/get_world_size")["world_size"]
     info = NCCLTrainerInitInfo(master_address=address, master_port=port, world_size=world,
                                rank=distributed.rank())
-    client = HTTPVLLMWeightSyncClient(base_url, timeout=cfg.vllm_server_timeout)
-    try:
-        engine = NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
-    except Exception as e:  # noqa: BLE001 (requests' and NCCL's errors; usually the server's flag)
-        fail(f"NCCL weight sync with the vLLM server at {base_url} failed "
-             f"({str(e).splitlines()[0][:200]}): start it with --weight-transfer-config "
-             "'{\"backend\": \"nccl\"}' (launch.sh does), or pass --vllm_weight_sync file with a "
-             "--vllm_sync_dir both sides see")
+    return NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
 
-    def push():
-        if distributed.is_main():
-            http(base_url + "/pause?mode=wait", {})
-        engine.send_weights()
-        if distributed.is_main():
-            reset_server_caches(base_url)
-            http(base_url + "/resume", {})
-        distributed.barrier()
-    return push
+
+def ipc_transfer(source, client):
+    from vllm.distributed.weight_transfer.ipc_engine import (IPCTrainerInitInfo,
+                                                             IPCTrainerWeightTransferEngine)
+
+    info = IPCTrainerInitInfo(rank=distributed.rank(), packed=True,
+                              packed_buffer_size_bytes=ipc_buffer_bytes(source.metadata()))
+    return IPCTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
+
+
+def ipc_buffer_bytes(metadata, bucket=2**30):
+    """The IPC buffer's size: vLLM's 1 GiB bucket, or the largest weight where that is larger (a
+    152k-token embedding of width 3584 in bf16 is 1.09 GB; a weight that does not fit fails)."""
+    largest = max(math.prod(meta.shape) * meta.dtype.itemsize for meta in metadata)
+    return max(bucket, largest)
+
+
+def push_transfer(transfer, base_url):
+    """One push through the weight-transfer engine, on every rank. The server is paused around
+    the update (its layers are being rebuilt) and its caches reset after."""
+    if distributed.is_main():
+        http(base_url + "/pause?mode=wait", {})
+    transfer.send_weights()
+    if distributed.is_main():
+        reset_server_caches(base_url)
+        http(base_url + "/resume", {})
+    distributed.barrier()
 
 
 class PolicyWeights:

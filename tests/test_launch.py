@@ -1,0 +1,208 @@
+"""launch.sh's layouts, read from --dry-run with the GPU count given as data (RLOO_GPU_COUNT); the GPU each
+process takes (distributed.device_for); how the weights reach a vLLM server (NCCL only to GPUs of its own,
+CUDA IPC on a shared one) and that closing the server engine shuts the weight-transfer group down."""
+
+import json
+import os
+import subprocess
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import distributed
+import vllm_rollout
+from conftest import requires_vllm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CUDA = torch.device("cuda")  # a device as data: nothing here touches a GPU
+
+
+def launch(gpus, **env):
+    """launch.sh --dry-run on a node showing `gpus` GPUs -> (return code, printed lines, stderr)."""
+    base = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "NPROC_PER_NODE")}
+    base.update(RLOO_GPU_COUNT=str(gpus), VLLM_API_KEY="k", PATH=f"{ROOT}/tests/bin:{os.environ['PATH']}")
+    out = subprocess.run(["bash", "launch.sh", "--dry-run", "--model", "m"], capture_output=True, text=True,
+                         cwd=ROOT, env={**base, **env})
+    return out.returncode, out.stdout.replace("\\", "").splitlines(), out.stderr
+
+
+@pytest.mark.parametrize("gpus, visible, transfer", [
+    (1, None, "ipc"),  # one GPU, shared: never NCCL (it refuses one GPU twice in a group)
+    (1, "5", "ipc"),
+    (8, "0,1,2,3,4,5,6,7", "nccl"),  # the server on GPU 7, the trainers on 0-6
+    (2, None, "nccl"),
+    (0, None, None),  # a CPU node: the shared directory
+])
+def test_one_visible_gpu_never_configures_nccl_weight_transfer(gpus, visible, transfer):
+    env = {"CUDA_VISIBLE_DEVICES": visible} if visible else {}
+    code, (server, trainer), stderr = launch(gpus, VLLM_SERVER_MODEL="m", **env)
+    assert code == 0, stderr
+    if transfer is None:
+        assert "weight-transfer-config" not in server
+    else:
+        assert server.endswith(f'--weight-transfer-config {{"backend": "{transfer}"}} &'), server
+    if gpus == 1:
+        assert "nccl" not in server + trainer
+        assert "CUDA IPC (VLLM_ALLOW_INSECURE_SERIALIZATION=1)" in stderr
+    if transfer:  # the trainer takes the server's backend: ipc from a server on its own GPU
+        cfg = SimpleNamespace(vllm_weight_sync="auto")
+        assert vllm_rollout.weight_sync_mode(cfg, CUDA, lambda: transfer) == transfer
+
+
+def test_weight_sync_follows_the_servers_backend_or_says_what_to_change():
+    def mode(flag, backend, device=CUDA):
+        return vllm_rollout.weight_sync_mode(SimpleNamespace(vllm_weight_sync=flag), device, lambda: backend)
+
+    assert mode("auto", "ipc") == "ipc" and mode("auto", "nccl") == "nccl" and mode("nccl", "nccl") == "nccl"
+    assert mode("auto", None, torch.device("cpu")) == "file" and mode("file", "nccl") == "file"
+    with pytest.raises(SystemExit, match=r"refuses one GPU twice in a group\): drop --vllm_weight_sync") as e:
+        mode("nccl", "ipc")
+    assert "\n" not in str(e.value)
+    with pytest.raises(SystemExit, match="the vLLM server has no weight-transfer engine: start it with"):
+        mode("auto", None)
+    with pytest.raises(SystemExit, match="weight-transfer backend 'sparse_nccl'"):
+        mode("auto", "sparse_nccl")
+
+
+def test_slurm_vllm_node_serves_with_tensor_parallel_over_its_gpus():
+    slurm = dict(VLLM_SERVER_MODEL="m", NNODES="3", SLURM_JOB_NODELIST="n[0-2]", SLURM_JOB_ID="5")
+    for gpus, serving, tensor_parallel in [(8, None, 8), (8, "4", 4), (1, None, None)]:
+        serving_env = {"VLLM_SERVER_GPUS": serving} if serving else {}
+        code, (server, trainer), stderr = launch(gpus, **slurm, **serving_env)
+        assert code == 0, stderr
+        assert server.startswith("srun --nodes=1 --ntasks=1 --nodelist=n2 ")
+        assert ("--tensor-parallel-size" in server) == (tensor_parallel is not None)
+        if tensor_parallel:
+            assert f"--tensor-parallel-size {tensor_parallel} " in server
+        assert '--weight-transfer-config {"backend": "nccl"}' in server  # another node: NCCL reaches it
+        assert f"--nproc_per_node={gpus}" in trainer and trainer.startswith("srun --nodes=2 ")
+
+
+def test_more_local_processes_than_gpus_is_one_line(monkeypatch):
+    # 4 processes on 2 GPUs; 8 on a node whose 8th GPU serves vLLM
+    for gpus, env in [(2, dict(NPROC_PER_NODE="4")), (8, dict(NPROC_PER_NODE="8", VLLM_SERVER_MODEL="m"))]:
+        code, printed, stderr = launch(gpus, **env)
+        assert code == 2 and printed == [] and len(stderr.strip().splitlines()) == 1, stderr
+        assert "so two ranks would share a GPU: set NPROC_PER_NODE=" in stderr
+    assert launch(2, NPROC_PER_NODE="2")[0] == 0 and launch(0, NPROC_PER_NODE="4")[0] == 0  # CPU: any count
+
+    assert distributed.device_for(1, 2, 2) == torch.device("cuda", 1)
+    assert distributed.device_for(3, 4, 0) == torch.device("cpu")
+    with pytest.raises(SystemExit, match=r"4 processes on this node but 2 visible GPU\(s\), so two ranks") as e:
+        distributed.device_for(0, 4, 2)  # every rank fails alike, rank 0 too: none waits for the others
+    assert "\n" not in str(e.value)
+    # and setup_distributed asks it before touching a GPU (torchrun's LOCAL_WORLD_SIZE)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(SystemExit, match="2 processes on this node but 1 visible GPU"):
+        distributed.setup_distributed()
+
+
+def test_ipc_buffer_holds_the_largest_weight():
+    def meta(*shape):
+        return SimpleNamespace(shape=shape, dtype=torch.bfloat16)
+
+    assert vllm_rollout.ipc_buffer_bytes([meta(896, 896), meta(151936, 896)]) == 2**30  # vLLM's bucket
+    assert vllm_rollout.ipc_buffer_bytes([meta(151936, 3584), meta(3584)]) == 151936 * 3584 * 2  # 1.09 GB
+
+
+class TransferCounter:
+    """A stand-in for vLLM's trainer-side weight-transfer engine: counts the pushes and shutdowns."""
+
+    def __init__(self, backend):
+        self.backend, self.sent, self.shut = backend, 0, 0
+
+    def send_weights(self):
+        self.sent += 1
+
+    def shutdown(self):
+        self.shut += 1
+
+
+def server_engine(monkeypatch, base_url):
+    """ServerEngine against base_url as a GPU trainer would build it, vLLM's transfer engine counted."""
+    made = []
+    monkeypatch.setattr(vllm_rollout, "weight_transfer",
+                        lambda backend, *args: made.append(TransferCounter(backend)) or made[-1])
+    cfg = SimpleNamespace(vllm_server_base_url=base_url, vllm_server_timeout=60.0, vllm_weight_sync="auto")
+    return vllm_rollout.ServerEngine(cfg, None, CUDA), made
+
+
+@pytest.fixture
+def fake_server():
+    """A stand-in vLLM server on 127.0.0.1: answers every route, reports a weight-transfer backend, and
+    records the POSTs (path list)."""
+    posts = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def answer(self, body):
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            config = {"weight_transfer_config": {"backend": Handler.backend}}
+            env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": Handler.pickles}
+            self.answer({"vllm_config": config, "vllm_env": env} if "server_info" in self.path else {})
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            posts.append(self.path)
+            self.answer({})
+
+        def log_message(self, *args):
+            pass
+
+    Handler.backend, Handler.pickles = "nccl", False
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield SimpleNamespace(url=f"http://127.0.0.1:{server.server_port}", handler=Handler, posts=posts)
+    server.shutdown()
+
+
+def test_server_engine_close_shuts_the_weight_transfer_group_down(monkeypatch, fake_server):
+    engine, made = server_engine(monkeypatch, fake_server.url)
+    (transfer,) = made
+    assert transfer.backend == "nccl"
+    engine.push()
+    assert transfer.sent == 1 and fake_server.posts == ["/pause?mode=wait", "/reset_prefix_cache",
+                                                        "/reset_encoder_cache", "/resume"]
+    engine.close()
+    assert transfer.shut == 1 and fake_server.posts[-1] == "/shutdown_weight_transfer_engine"
+    engine.close()  # once only
+    assert transfer.shut == 1 and fake_server.posts.count("/shutdown_weight_transfer_engine") == 1
+
+
+def test_ipc_server_must_take_pickled_handles(monkeypatch, fake_server):
+    fake_server.handler.backend = "ipc"
+    with pytest.raises(SystemExit, match="start it with VLLM_ALLOW_INSECURE_SERIALIZATION=1"):
+        server_engine(monkeypatch, fake_server.url)
+    fake_server.handler.pickles = True
+    assert server_engine(monkeypatch, fake_server.url)[1][0].backend == "ipc"
+
+
+@requires_vllm
+def test_real_vllm_server_reports_ipc_and_takes_the_shutdown(monkeypatch, chat_model_dir):
+    """vLLM's own server (CPU) started as launch.sh starts it on one GPU: the trainer reads the ipc backend
+    from it, and close shuts the server's transfer engine down (answered, not refused). CUDA IPC itself
+    needs a GPU: its push is not run here."""
+    from test_rollout import free_port, start_server
+
+    port = free_port()
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    proc = start_server(chat_model_dir, port, extra=("--weight-transfer-config", '{"backend": "ipc"}'))
+    try:
+        engine, made = server_engine(monkeypatch, f"http://127.0.0.1:{port}")  # waits for /health
+        assert [t.backend for t in made] == ["ipc"]
+        engine.close()
+        assert made[0].shut == 1
+    finally:
+        os.killpg(proc.pid, 15)  # the server and its engine processes
+        proc.wait(timeout=60)
