@@ -20,15 +20,16 @@ def token_logps_and_entropy(logits, token_ids, temperature=1.0, chunk_elements=2
     chunks of rows whose fp32 temporaries hold at most chunk_elements (64 MB): one chunk for a small
     vocabulary (few ops), one row at a time for a large one. Entropy carries no gradient (a metric).
     """
-    if temperature != 1.0:
-        logits = logits / temperature
-    picked = logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1).float()  # [B, T]
+    def scaled(x):  # z = logits / T in fp32, as the sampler divides: bf16 / T would round first
+        return x.float() / temperature if temperature != 1.0 else x.float()
+
+    picked = scaled(logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1))  # [B, T]
     chunks = logits.split(max(1, chunk_elements // (logits.shape[1] * logits.shape[2])))
-    logsumexp = [torch.logsumexp(chunk.float(), dim=-1) for chunk in chunks]  # [b, T] each
+    logsumexp = [torch.logsumexp(scaled(chunk), dim=-1) for chunk in chunks]  # [b, T] each
     with torch.no_grad():
         # H = logsumexp(z) - sum_v softmax(z)_v z_v
-        entropy = [lse - (torch.softmax(chunk.float(), -1) * chunk.float()).sum(-1)
-                   for lse, chunk in zip(logsumexp, chunks)]
+        entropy = [lse - (torch.softmax(z, -1) * z).sum(-1)
+                   for lse, z in zip(logsumexp, map(scaled, chunks))]
     return picked - torch.cat(logsumexp), torch.cat(entropy)
 
 

@@ -99,6 +99,17 @@ def test_token_logps_and_entropy_match_log_softmax_and_autograd(temperature, chu
     torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=0)
 
 
+def test_bf16_logits_are_divided_by_the_temperature_in_fp32_as_the_sampler_does():
+    """The sampler records log softmax(logits.float() / T); bf16 logits divided by T before the upcast round to bf16
+    first (~1e-2 nats apart at T = 0.7), noise in the drift metric and the importance weights."""
+    torch.manual_seed(0)
+    logits = (torch.randn(2, 4, 50) * 3).bfloat16()
+    ids = torch.randint(0, 50, (2, 4))
+    logps, _ = token_logps_and_entropy(logits, ids, 0.7)
+    sampler = torch.log_softmax(logits.float() / 0.7, -1).gather(-1, ids[..., None]).squeeze(-1)
+    torch.testing.assert_close(logps, sampler, atol=1e-5, rtol=0)
+
+
 def test_sequence_kl_sums_masked_log_ratio():
     logps = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, -9.0]])
     ref = torch.tensor([[-1.5, -1.0, -100.0], [-1.0, -0.25, 0.0]])
