@@ -598,6 +598,9 @@ def check_config(cfg, world_size=1):
         fail("give one of warmup_ratio and warmup_steps")
     if cfg.cpu_offload and world_size == 1:
         fail("cpu_offload shards with FSDP2 and needs torchrun with more than one process")
+    if cfg.load_in_4bit and world_size > 1:
+        fail(f"--load_in_4bit with {world_size} processes: FSDP2 cannot shard a 4-bit base, so "
+             "each rank would train an adapter of its own; run one process")
     if cfg.use_vllm:
         check_vllm(cfg, world_size)
     elif cfg.vllm_structured_outputs_regex:

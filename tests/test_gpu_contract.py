@@ -14,6 +14,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 import data
 import models
 import rollout
+import train
 from test_train import cfg_for
 
 
@@ -106,3 +107,12 @@ def test_a_frozen_model_holds_no_gathered_parameter_between_forwards(process_gro
     with torch.no_grad():
         ref(input_ids=IDS)
     assert all(isinstance(p, DTensor) for p in ref.parameters())
+
+
+def test_qlora_at_world_size_two_is_one_line():
+    """A 4-bit base is neither sharded nor wrapped: nothing would all-reduce the adapters' gradients, and each rank
+    would train its own."""
+    cfg = cfg_for(model="some/model", use_peft=True, load_in_4bit=True)
+    train.check_config(cfg, world_size=1)
+    with pytest.raises(SystemExit, match="--load_in_4bit with 2 processes: .* run one process"):
+        train.check_config(cfg, world_size=2)
