@@ -12,16 +12,29 @@ memory.
     python bench.py --config smollm2 --use_peft   # LoRA (peft's default targets: q_proj, v_proj)
     python bench.py --config compute --server_cores 1 [--async_generation]  # a vLLM server on
                                                   # core 1, the trainer on core 0
-    python bench.py --config gpu --report gpu.json  # one GPU: the embedded default learns, then a
-                                                  # Qwen2.5-0.5B shape (bf16, G=8, 64 prompts,
-                                                  # 256 tokens): full, LoRA, checkpointing, and
-                                                  # TRL on the same work (--tiny: on CPU)
+    python bench.py --config gpu --report gpu.jsonl  # one GPU (below): the embedded default
+                                                  # learns, then a Qwen2.5-0.5B shape (bf16, G=8,
+                                                  # 32 prompts, 128 tokens, 6 steps): full, LoRA,
+                                                  # checkpointing, TRL (--tiny: on CPU)
 
 Both trainers load the same model directory (built from a config with a fixed seed and saved once),
 the same prompts, G, batch, max_completion_length, beta=0.05, temperature 1, fp32, constant learning
 rate, one optimizer step per generation batch. The vocabulary has 256 tokens so a random model
 rarely samples EOS and completions run close to max_completion_length. The first 3 steps are warm-up
 and dropped.
+
+The one-GPU check (--config gpu) fits the device's 15-minute lease: its estimate (gpu_estimate, a
+token count at assumed H200 rates, not measured), printed first, is under 6 minutes (a test checks);
+the model is built once for every run; each run is a process with a timeout; --report gets one JSON
+line per run as it ends. The GPU machine (Python 3.12, no network) lacks datasets and TRL; here,
+then there:
+
+    python bench.py --wheels .whl  # GPU_WHEELS; the image has their other requirements (GPU_IMAGE)
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site python3 bench.py --config gpu --report $OUT/gpu.jsonl
+
+which checks the installed versions first and names any missing or too old (datasets needs
+pyarrow>=24; should the image's be older: --wheels .whl pyarrow==26.0.1, a 55 MB wheel).
 """
 
 import argparse
@@ -30,7 +43,9 @@ import os
 import re
 import resource
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,11 +53,12 @@ import time
 import torch
 
 import environments
-import rewards
 import prompting
+import rewards
 import rollout
 import train
 import vllm_rollout
+from config import EMBEDDED_PRESET
 
 # Qwen2.5-0.5B's shape (tied embeddings, grouped-query attention); its weights are random here
 QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -57,8 +73,9 @@ CONFIGS = {
                                num_attention_heads=4),
                     num_generations=8, batch=64, max_completion_length=64),
     "smollm2": dict(model=None, num_generations=4, batch=16, max_completion_length=24),
-    "gpu": dict(model=QWEN25_05B, num_generations=8, batch=512, micro=64, max_completion_length=256,
-                bf16=True),
+    # sized to fit the device's lease: gpu_estimate
+    "gpu": dict(model=QWEN25_05B, num_generations=8, batch=256, micro=64, max_completion_length=128,
+                bf16=True, steps=6),
 }
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1,
             vocab_size=256)
@@ -244,11 +261,21 @@ def summarize(name, steps, num_completions):
     return med
 
 
+def bench_config(args):
+    """The named config, with --tiny's model and batch and --max_completion_length in place."""
+    c = dict(CONFIGS[args.config])
+    if args.tiny:
+        c.update(model=TINY, batch=16, micro=8, max_completion_length=16)
+    if args.max_completion_length:
+        c["max_completion_length"] = args.max_completion_length
+    return c
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", choices=CONFIGS, default="overhead")
     parser.add_argument("--trainer", choices=["rloo", "trl"], default="rloo")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, help="default: the config's, else 20")
     parser.add_argument("--max_completion_length", type=int, help="override the config's")
     parser.add_argument("--scaling", action="store_true",
                         help="a table: completion length 16/64/256 x model size")
@@ -262,32 +289,36 @@ def main():
                         help="with --server_cores: the trainer's cores (e.g. 0)")
     parser.add_argument("--tiny", action="store_true",
                         help="a tiny model and batch in place of the config's (CPU)")
-    parser.add_argument("--report",
-                        help="write the medians (--config gpu: every variant's) to this JSON file")
-    # one run of the gpu suite, in its own process
+    parser.add_argument("--report", help="write the medians to this JSON file (--config gpu: one "
+                        "JSON line per run, each as the run ends)")
+    parser.add_argument("--deadline", type=int, default=540, help="--config gpu: seconds, after "
+                        "which no run starts and the one running stops (under the device's 10 min)")
+    parser.add_argument("--wheels", metavar="DIR", help="only download the GPU machine's wheels "
+                        "(GPU_WHEELS, then any NAME==VERSION given) into DIR")
+    # one run of the gpu suite, in its own process, on the model the suite built
     parser.add_argument("--variant", help=argparse.SUPPRESS)
+    parser.add_argument("--model_dir", help=argparse.SUPPRESS)
     args, extra = parser.parse_known_args()
-    if args.steps <= 3:
-        parser.error(f"--steps {args.steps}: the first 3 steps are warm-up and dropped; run at "
-                     "least 4")
+    if args.wheels:
+        return download_wheels(args.wheels, extra)
+    c = bench_config(args)
+    default_steps = c.pop("steps", 20)
+    steps = args.steps or default_steps
+    if steps <= 3:
+        parser.error(f"--steps {steps}: the first 3 steps are warm-up and dropped; run at least 4")
     if args.scaling:
-        return scaling(args.steps)
+        return scaling(steps)
     if args.multi_turn:
-        return multi_turn(CONFIGS[args.config], args.steps)
+        return multi_turn(c, steps)
     if args.config == "gpu" and args.variant is None:
-        return gpu_suite(args, extra)
-    c = dict(CONFIGS[args.config])
-    if args.tiny:
-        c.update(model=TINY, batch=16, micro=8, max_completion_length=16)
-    if args.max_completion_length:
-        c["max_completion_length"] = args.max_completion_length
-    files = task_files(c)
+        sys.exit(0 if gpu_suite(args, c, steps, extra) else 1)
+    files = (args.model_dir, None, "task_reward") if args.model_dir else task_files(c)
     if args.server_cores:  # e.g. --server_cores 1 --trainer_cores 0, then with --async_generation
         extra += serve(files[0], args.server_cores, args.trainer_cores)
     if args.trainer == "rloo":
-        steps = run_rloo(*files, c, args.steps, extra)
+        steps = run_rloo(*files, c, steps, extra)
     else:
-        steps = run_trl(*files, c, args.steps)
+        steps = run_trl(*files, c, steps)
     if steps is not None:
         world_size = int(os.environ.get("WORLD_SIZE", 1))
         med = summarize(f"{args.trainer} --config {args.config} ({c}) {' '.join(extra)}", steps,
@@ -297,71 +328,200 @@ def main():
                 json.dump(med, f)
 
 
-# the gpu suite's runs: name -> bench.py flags (each in a fresh process, so that peak memory is its
-# own)
-GPU_VARIANTS = {"full": [], "lora": ["--use_peft"], "checkpointing": ["--gradient_checkpointing",
-                                                                      "true"],
-                "trl": ["--trainer", "trl"]}
+# ---------------------------------------------------------------------------------------------
+# The one-GPU check (--config gpu): its estimate, the packages it needs there, its runs
+# ---------------------------------------------------------------------------------------------
+
+# the gpu suite's runs after the embedded default: name -> bench.py flags (each in a fresh process,
+# so that peak memory is its own)
+GPU_VARIANTS = {"full": [], "lora": ["--use_peft"],
+                "checkpointing": ["--gradient_checkpointing", "true"], "trl": ["--trainer", "trl"]}
+# What the estimate assumes on one H200; none of it is measured on a GPU yet. Decoding is eager (no
+# --compile_decode): a decode step of the 24-layer model costs ~32 ms of Python and kernel launches
+# whatever the batch, so 8,000 tokens/s at the gpu config's 256 sequences. The training passes
+# (forward+backward and the reference forward, ~10 N = 5 GFLOP a token) at ~125 TFLOP/s, a sixth of
+# the bf16 peak: 25,000 tokens/s. A process spends ~25 s on imports, CUDA start-up, loading the
+# model and saving the final one; a step of the embedded default (133k parameters) ~0.1 s of
+# launches; building and saving the 0.5B model (2 GB) ~20 s.
+H200 = dict(generated_tokens_per_s=8000, trained_tokens_per_s=25000, process_s=25,
+            embedded_step_s=0.1, build_s=20)
+PROMPT_TOKENS = 5  # the copy task's prompt, "4172=": one token per character
+TIMEOUT_FACTOR = 3  # a run's timeout on a GPU, times its estimate (elsewhere: --deadline only)
 
 
-def gpu_suite(args, extra):
-    """The prepared one-GPU check: `python train.py` (the embedded default) must learn on the
-    device, then each variant of the gpu config runs args.steps steps. Prints one table; --report
-    writes it as JSON."""
-    import subprocess
+def gpu_estimate(c, steps, tiny=False, rates=H200):
+    """Seconds the gpu suite takes on one H200 by its own token count, at the assumed rates. A
+    random model almost never samples EOS (1 of 151,936 tokens), so every completion runs to
+    max_completion_length: a variant generates steps x batch x max_completion_length tokens and
+    trains on steps x batch x (prompt + completion)."""
+    generated = steps * c["batch"] * c["max_completion_length"]
+    trained = steps * c["batch"] * (PROMPT_TOKENS + c["max_completion_length"])
+    variant_s = (generated / rates["generated_tokens_per_s"]
+                 + trained / rates["trained_tokens_per_s"] + rates["process_s"])
+    embedded_steps = 40 if tiny else EMBEDDED_PRESET["max_steps"]
+    embedded_s = embedded_steps * rates["embedded_step_s"] + rates["process_s"]
+    total_s = rates["build_s"] + embedded_s + len(GPU_VARIANTS) * variant_s
+    return dict(generated_tokens_per_variant=generated, trained_tokens_per_variant=trained,
+                variant_s=variant_s, embedded_s=embedded_s, total_s=total_s, assumed=rates)
 
-    results = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-               "embedded": embedded_learns(args.tiny)}
-    print(f"embedded default: {results['embedded']}", flush=True)
-    for name, flags in GPU_VARIANTS.items():
-        report = tempfile.mktemp(suffix=".json")
-        cmd = [sys.executable, __file__, "--config", "gpu", "--variant", name, "--steps",
-               str(args.steps),
-               "--report", report, *(["--tiny"] if args.tiny else []), *flags, *extra]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        # report the failure, keep measuring the others
-        if done.returncode != 0 or not os.path.exists(report):
-            results[name] = {"error": (done.stderr or done.stdout).strip().splitlines()[-1:]}
-        else:
-            with open(report) as f:
-                results[name] = json.load(f)
-        print(f"{name}: {results[name]}", flush=True)
-    keys = ["step_time", "time/generation", "time/reference", "time/forward_backward",
-            "time/optimizer",
-            "tokens_per_second/generation", "peak_cuda_mib", "peak_rss_mib"]
-    print("| variant | " + " | ".join(keys) + " |\n" + "|---" * (len(keys) + 1) + "|")
-    for name in GPU_VARIANTS:
-        row = results[name]
-        print(f"| {name} | " + " | ".join(f"{row[k]:.4g}" if isinstance(row.get(k), float)
-                                          else str(row.get(k, "-"))
-                                           for k in keys) + " |")
+
+# The GPU machine's Python 3.12 has torch, transformers, peft and GPU_IMAGE, not datasets or TRL:
+# they travel as wheels (python bench.py --wheels .whl), each of whose requirements is carried too
+# or already there (a test checks). The suite first checks the versions installed (unmet).
+GPU_WHEELS = {"datasets": "5.2.0", "dill": "0.4.1", "multiprocess": "0.70.19", "trl": "1.16.0"}
+GPU_IMAGE = {"accelerate", "filelock", "fsspec", "huggingface-hub", "jinja2", "numpy", "packaging",
+             "pandas", "peft", "psutil", "pyarrow", "pyyaml", "tqdm", "transformers", "xxhash"}
+GPU_IMPORTS = ["datasets", "trl", "peft"]  # what the suite needs beyond torch and transformers
+
+
+def download_wheels(dest, pins):
+    """GPU_WHEELS and pins (NAME==VERSION) for CPython 3.12 on x86-64 Linux, without their
+    requirements (the image's)."""
+    pins = [f"{name}=={version}" for name, version in GPU_WHEELS.items()] + pins
+    platforms = ["--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64"]
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                    "--python-version", "3.12", "--implementation", "cp", *platforms, "-d", dest,
+                    *pins], check=True, timeout=600)
+
+
+def unmet(names):
+    """What the installed packages lack for `names` and their own requirements: 'trl: not
+    installed', 'pyarrow 19.0.0 (for datasets): needs >=24.0.0'. [] when nothing."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    def version(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    problems = [f"{name}: not installed" for name in names if version(name) is None]
+    for name in [name for name in names if version(name) is not None]:
+        for req in map(Requirement, metadata.requires(name) or []):
+            if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+                continue  # an extra's, or another platform's
+            have = version(req.name)
+            if have is None or not req.specifier.contains(have, prereleases=True):
+                problems.append(f"{req.name} {have or 'not installed'} (for {name}): needs "
+                                f"{req.specifier or 'it'}")
+    return sorted(set(problems))
+
+
+def gpu_suite(args, c, steps, extra):
+    """The prepared one-GPU check: the packages first (seconds, not minutes, when one is missing),
+    then the model, built once for every run, then `python train.py` (the embedded default must
+    learn on the device) and each variant of the gpu config: each a process with a timeout,
+    reported as it ends. Prints one table at the end. -> whether every run succeeded."""
+    estimate = gpu_estimate(c, steps, args.tiny)
+    print(f"estimate on one H200 at assumed rates (H200 in bench.py; not measured): "
+          f"{estimate['generated_tokens_per_variant']:,} tokens generated per variant, "
+          f"{estimate['total_s']:.0f} s = {estimate['total_s'] / 60:.1f} min in all", flush=True)
     if args.report:
-        with open(args.report, "w") as f:
-            json.dump(results, f, indent=1)
-    return results
+        open(args.report, "w").close()  # one line per run, appended as each ends
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    missing = unmet(GPU_IMPORTS)
+    report_line(args.report, "plan", device=device, config=c, steps=steps, estimate=estimate,
+                missing=missing)
+    if missing:
+        print("carry wheels for what is missing (bench.py's docstring)", flush=True)
+        return False
+    work = tempfile.mkdtemp(prefix="rloo-gpu-check-")
+    model, embedded = os.path.join(work, "model"), os.path.join(work, "embedded")
+    tiny, deadline = ["--tiny"] if args.tiny else [], time.monotonic() + args.deadline
+    train_py = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
+    try:
+        start = time.perf_counter()
+        build_model(model, c["model"])  # once, for every run
+        report_line(args.report, "model", seconds=round(time.perf_counter() - start, 1))
+        # the embedded default on this device (tiny: 40 steps, too few to learn; it shows it runs)
+        cmd = [sys.executable, train_py, "--output_dir", embedded, "--logging_steps", "1",
+               *(["--max_steps", "40"] if args.tiny else [])]
+        results = {"embedded": gpu_run(args, "embedded", cmd, lambda: reward_curve(embedded),
+                                       estimate["embedded_s"], deadline)}
+        for name, flags in GPU_VARIANTS.items():
+            report = os.path.join(work, f"{name}.json")
+            # no checkpoint at the end: weights and optimizer state, 6 GB to write for 0.5B
+            cmd = [sys.executable, __file__, "--config", "gpu", "--variant", name, "--model_dir",
+                   model, "--steps", str(steps), "--report", report, "--save_strategy", "no",
+                   *tiny, *flags, *extra]
+            results[name] = gpu_run(args, name, cmd, lambda: read_json(report),
+                                    estimate["variant_s"], deadline)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print_table(results)
+    return all("error" not in row for row in results.values())
 
 
-def embedded_learns(tiny):
-    """`python train.py` on this machine's device: mean reward over the first and last tenth of its
-    steps, and the wall time (tiny: 40 steps, too few to learn; it only shows the run works)."""
-    import subprocess
-
-    out = tempfile.mkdtemp(prefix="rloo-bench-embedded-")
+def gpu_run(args, name, cmd, read, estimate_s, deadline):
+    """One run of the suite: cmd in its own process, its timeout TIMEOUT_FACTOR x its estimate on a
+    GPU, within the deadline; read() -> its numbers. -> the line reported for it, with its wall
+    time and its estimate."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return report_line(args.report, name, error=f"not run: past --deadline {args.deadline} s")
+    timeout = min(left, TIMEOUT_FACTOR * estimate_s) if torch.cuda.is_available() else left
     start = time.perf_counter()
-    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"),
-           "--output_dir", out,
-           "--logging_steps", "1", *(["--max_steps", "40"] if tiny else [])]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    seconds = time.perf_counter() - start
-    if done.returncode != 0:
-        return {"error": done.stderr.strip().splitlines()[-1:]}
+    code, output = run_child(cmd, timeout)
+    times = dict(seconds=round(time.perf_counter() - start, 1), estimate_s=round(estimate_s))
+    if code != 0:
+        why = f"timed out after {timeout:.0f} s" if code is None else f"exit code {code}"
+        return report_line(args.report, name, error=why, output=output.strip().splitlines()[-3:],
+                           **times)
+    return report_line(args.report, name, **read(), **times)
+
+
+def run_child(cmd, timeout):
+    """cmd in its own process group, the whole group killed after `timeout` seconds (or when this
+    process stops first) -> (its exit code, None if it timed out; its stdout and stderr)."""
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             process_group=0)
+    output = None
+    try:
+        output = child.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+    if output is None:
+        return None, child.communicate()[0]
+    return child.returncode, output
+
+
+def report_line(path, run, **fields):
+    """One line of the gpu suite's report, printed and appended to `path` (closed, so flushed) as
+    soon as its run ends: a check cut short keeps what it measured."""
+    line = json.dumps({"run": run, **fields})
+    print(line, flush=True)
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+    return {"run": run, **fields}
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def reward_curve(out):
+    """A train.py run's mean reward over the first and last tenth of its steps (metrics.jsonl)."""
     with open(os.path.join(out, "metrics.jsonl")) as f:
         curve = [json.loads(line)["reward"] for line in f]
-    shutil.rmtree(out)
     tenth = max(1, len(curve) // 10)
     return {"first_tenth_reward": sum(curve[:tenth]) / tenth,
-            "last_tenth_reward": sum(curve[-tenth:]) / tenth,
-            "steps": len(curve), "seconds": seconds}
+            "last_tenth_reward": sum(curve[-tenth:]) / tenth, "steps": len(curve)}
+
+
+def print_table(results):
+    keys = ["step_time", "time/generation", "time/reference", "time/forward_backward",
+            "time/optimizer", "tokens_per_second/generation", "peak_cuda_mib", "peak_rss_mib"]
+    print("| variant | " + " | ".join(keys) + " |\n" + "|---" * (len(keys) + 1) + "|")
+    for name in GPU_VARIANTS:
+        print(f"| {name} | " + " | ".join(f"{results[name][k]:.4g}" if isinstance(
+            results[name].get(k), float) else str(results[name].get(k, "-")) for k in keys) + " |")
 
 
 def serve(model_dir, server_cores, trainer_cores):
@@ -369,9 +529,7 @@ def serve(model_dir, server_cores, trainer_cores):
     trainer_cores: -> the train.py flags that generate with it. Each side gets its cores' threads
     and no more."""
     import atexit
-    import signal
     import socket
-    import subprocess
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -395,16 +553,15 @@ def serve(model_dir, server_cores, trainer_cores):
 
 def scaling(num_steps):
     """Each row in a fresh process (peak memory is per process): median step time and generation
-    time."""
-    import subprocess
-
+    time; a row that takes over 30 minutes stops the table."""
     print("| model | max completion length | s/step | generation s | gen s per decode step | "
           "training s |\n|---|---|---|---|---|---|")
     for config in ["overhead", "compute"]:
         for length in [16, 64, 256]:
             cmd = [sys.executable, __file__, "--config", config, "--max_completion_length",
                    str(length), "--steps", str(num_steps)]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True,
+                                 timeout=1800).stdout
             med = {m[1]: float(m[2]) for m in re.finditer(r"^  (\S+) +(-?[\d.]+)$", out, re.M)}
             print(f"| {config} | {length} | {med['step_time']:.3f} | "
                   f"{med['time/generation']:.3f} | "
@@ -452,6 +609,7 @@ def multi_turn(c, num_steps):
         print(f"{name:7s} {statistics.median(times[3:]):.3f} s per batch of {c['batch']} "
               f"(turns {batch.turn_stats['turns'].mean():.2f}, model tokens "
               f"{batch.model_tokens().sum(-1).float().mean():.1f} a trajectory)", flush=True)
+    shutil.rmtree(path)
 
 
 if __name__ == "__main__":
