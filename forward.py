@@ -60,17 +60,27 @@ def forward_logps(model, batch, rows, temperature, chunked=None, router_aux=Fals
     return per_token[..., 0], per_token[..., 1], completion_len, aux
 
 
-# fp32 elements of one chunk's logits in LogpsHead (64 MB)
-HEAD_CHUNK_ELEMENTS = 2**24
+# fp32 elements of one chunk's logits in LogpsHead on a CPU (64 MB); a GPU takes GPU_HEAD_SHARE of
+# its memory (4.4 GB on an H200: 7,000 tokens at V = 152k, where 64 MB would be 110)
+HEAD_CHUNK_ELEMENTS, GPU_HEAD_SHARE = 2**24, 1 / 32
+
+
+def head_chunk_tokens(vocab_size, device_type, memory_bytes=None):
+    """Tokens per LogpsHead chunk: as many as the budget holds fp32 logits of. memory_bytes: the
+    GPU's (None: asked of the current device)."""
+    if device_type != "cuda":
+        return max(1, HEAD_CHUNK_ELEMENTS // vocab_size)
+    memory_bytes = memory_bytes or torch.cuda.get_device_properties(0).total_memory
+    return max(1, int(memory_bytes * GPU_HEAD_SHARE) // (4 * vocab_size))
 
 
 class LogpsHead(torch.nn.Module):
     """Stands in for the LM head in a training forward: hidden states [b, T + 1, H] -> [b, T, 2],
-    the log pi_T and entropy of each completion token, where the model expects logits. Chunks of
-    positions go through the real head one at a time and are recomputed in backward
-    (torch.utils.checkpoint), so one chunk of logits is alive at most: b * T * V * 8 bytes less (40
-    GB at b=8, T=4096, V=152k). Image placeholders (suppressed) are never sampled, so they are not
-    in the policy's distribution either (finite, for the entropy)."""
+    the log pi_T and entropy of each completion token, where the model expects logits. The b * T
+    tokens go through the real head in chunks (head_chunk_tokens) and are recomputed in backward,
+    so one chunk of logits is alive at most: b * T * V * 8 bytes less (40 GB at b=8, T=4096,
+    V=152k). Image placeholders (suppressed) are never sampled, so they are not in the policy's
+    distribution either (finite, for the entropy)."""
 
     def __init__(self, targets, temperature, suppressed=None):
         super().__init__()
@@ -78,24 +88,63 @@ class LogpsHead(torch.nn.Module):
         self.lm_head = None
 
     def forward(self, hidden):
-        hidden = hidden[:, :-1]  # position t predicts targets[:, t]
-        width = max(1, HEAD_CHUNK_ELEMENTS // (hidden.shape[0] * self.lm_head.weight.shape[0]))
+        b, T = self.targets.shape
+        hidden = hidden[:, :-1].reshape(b * T, -1)  # position t predicts targets[:, t]
+        targets, head = self.targets.reshape(b * T), self.lm_head
+        tokens = head_chunk_tokens(head.weight.shape[0], hidden.device.type)
+        if isinstance(head, torch.nn.Linear) and head.bias is None and \
+                not hasattr(head.weight, "quant_state"):  # a plain weight (not 4-bit): F.linear
+            # ChunkedHead as the head's forward for this one call: its hooks (an FSDP2 unit of its
+            # own under --cast_lm_head_to_fp32: gather, fp32 input) run once, not once per chunk
+            head.forward = lambda x: ChunkedHead.apply(x, head.weight, targets, tokens, self.score)
+            try:
+                return head(hidden).view(b, T, 2)
+            finally:
+                del head.forward
+        # a head with adapters (LoRA, 4-bit): called per chunk
         pieces = []
-        for start in range(0, hidden.shape[1], width):
-            args = (hidden[:, start:start + width], self.targets[:, start:start + width])
-            recomputed = torch.is_grad_enabled()
-            pieces.append(checkpoint(self.chunk, *args, use_reentrant=False) if recomputed
-                          else self.chunk(*args))
-        return torch.cat(pieces, 1)
+        for rows in micro_batches(b * T, tokens):
+            args = (hidden[rows], targets[rows])
+            pieces.append(checkpoint(self.chunk, *args, use_reentrant=False)
+                          if torch.is_grad_enabled() else self.chunk(*args))
+        return torch.cat(pieces).view(b, T, 2)
 
     def chunk(self, hidden, targets):
         return self.score(self.lm_head(hidden), targets)
 
     def score(self, logits, targets):
-        """logits [b, t, V] -> [b, t, 2] (log pi_T, entropy) of the targets."""
+        """logits [b, t, V] or [n, V] -> [b, t, 2] or [n, 2] (log pi_T, entropy) of the targets."""
         if self.suppressed is not None:
             logits = logits.index_fill(-1, self.suppressed, -1e30)
+        if logits.dim() == 2:
+            return self.score(logits[None], targets[None])[0]
         return torch.stack(token_logps_and_entropy(logits, targets, self.temperature), -1)
+
+
+class ChunkedHead(torch.autograd.Function):
+    """score(hidden @ weight.T, targets) over chunks of `tokens` rows, keeping no logits: backward
+    recomputes each chunk and sums the weight's gradient in fp32, rounded to its dtype once (a bf16
+    sum over hundreds of chunks doubled the gradient's error). hidden [n, H], weight [V, H]."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, tokens, score):
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.tokens, ctx.score = tokens, score
+        return torch.cat([score(F.linear(hidden[rows], weight), targets[rows])
+                          for rows in micro_batches(len(hidden), tokens)])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, targets = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for rows in micro_batches(len(hidden), ctx.tokens):
+            with torch.enable_grad():
+                h, w = hidden[rows].detach().requires_grad_(), weight.detach().requires_grad_()
+                out = ctx.score(F.linear(h, w), targets[rows])
+                grad_hidden[rows], chunk_grad = torch.autograd.grad(out, (h, w), grad_out[rows])
+            grad_weight += chunk_grad
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None
 
 
 def base_of(model):

@@ -140,9 +140,10 @@ def prepare_model(model, cfg, trainable, device=torch.device("cpu")):
     for module in model.modules():
         if type(module).__name__ in layer_types:
             fully_shard(module, **options)
-    if head is not None:  # its own group: gathered and computed in fp32
+    if head is not None:  # its own group: gathered and computed in fp32, kept from forward to
+        # backward as the root's (LogpsHead calls it once per micro-batch)
         fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-        fully_shard(head, **{**options, "mp_policy": fp32})
+        fully_shard(head, **{**options, "mp_policy": fp32}, reshard_after_forward=not trainable)
     # the root keeps its weights gathered after forward for the backward that follows; a frozen
     # model has none, so its root reshards too (else its embeddings and head stay gathered)
     fully_shard(model, **options, reshard_after_forward=None if trainable else True)

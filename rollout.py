@@ -172,17 +172,28 @@ def unsharded(model):
     if not isinstance(model, FSDPModule):
         yield
         return
+    settings = reshard_settings(model)
     model.set_reshard_after_forward(False)
     try:
         yield
     finally:
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
-        # FSDP2's own defaults back: every unit reshards after forward but the root, whose
-        # weights backward needs at once (recursing with True alone would reshard it too)
-        model.set_reshard_after_forward(True)
-        model.set_reshard_after_forward(False, recurse=False)
+        for module, reshard in settings.items():
+            module.reshard()
+            module.set_reshard_after_forward(reshard, recurse=False)
+
+
+def reshard_settings(model):
+    """Each FSDP2 unit's own reshard-after-forward, to be put back: recursing with True would
+    reshard the root (and an fp32 head) after every forward, one extra all-gather a micro-batch.
+    The root's is False where FSDP2 sets it so at its first forward (torch 2.13's FSDPState)."""
+    settings = {}
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+            root_default = module is model and state._auto_reshard_after_forward
+            settings[module] = not root_default and any(
+                group.post_forward_mesh_info is not None for group in state._fsdp_param_groups)
+    return settings
 
 
 def decode_in_chunks(model, prompt_ids, prompt_mask, cfg, eos_ids, pad_id, seed):

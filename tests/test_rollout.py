@@ -159,7 +159,7 @@ def test_compiled_decode_step_samples_what_the_eager_one_does(tiny):
 
 
 def test_log_probs_through_the_chunked_head_equal_the_full_logits(tiny, monkeypatch):
-    """LogpsHead in chunks of 3 positions (and one shorter) against the model's own head: log-probs, entropies and
+    """LogpsHead in chunks of 18 tokens (and one shorter) against the model's own head: log-probs, entropies and
     gradients agree; a model that transforms its logits (Gemma-2's softcapping) keeps its own head."""
     model, tokenizer, _ = tiny
     batch = rollout.generate(model, tokenizer, {"prompt": ["123=", "4="]}, gen_cfg(max_completion_length=8), CPU, seed=1)
