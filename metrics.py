@@ -25,12 +25,48 @@ from rloo import combine_rewards
 @contextmanager
 def timed(timings, name):
     """Add the wall-clock seconds the block takes to timings[name] (on a GPU, queued work finishes
-    later)."""
-    start = time.perf_counter()
+    later), and its peak memory in MiB to memory/<phase> (the largest over the step's calls)."""
+    start, phase = time.perf_counter(), {"peak": 0.0}
+    for outer in OPEN_PHASES:  # a nested phase restarts the peak: fold it into the enclosing ones
+        outer["peak"] = max(outer["peak"], peak_memory())
+    reset_peak_memory()
+    OPEN_PHASES.append(phase)
     try:
         yield
     finally:
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+        OPEN_PHASES.pop()
+        peak, key = peak_memory(), "memory/" + name.split("/", 1)[-1]
+        for frame in (phase, *OPEN_PHASES):
+            frame["peak"] = max(frame["peak"], peak)
+        if phase["peak"]:
+            timings[key] = max(timings.get(key, 0.0), phase["peak"])
+
+
+OPEN_PHASES = []  # the timed() blocks running, innermost last
+
+
+def peak_memory():
+    """MiB at most in use since the last reset_peak_memory: the GPU allocator's peak, else this
+    process's peak resident set (Linux's VmHWM; 0 where there is none)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**20
+    try:
+        with open("/proc/self/status") as f:
+            return int(f.read().split("VmHWM:")[1].split()[0]) / 1024
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def reset_peak_memory():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+        return
+    try:  # "5" resets the peak resident set (proc(5), /proc/pid/clear_refs)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def nanstd(x):

@@ -13,6 +13,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import data
 import forward
+import metrics
 import models
 import rollout
 import train
@@ -168,3 +169,20 @@ def test_an_fp32_head_is_gathered_once_per_micro_batch_whatever_the_chunk_count(
             logps.sum().backward()
         counts.append(count["gathers"])
     assert counts == [1 + 2 * 2 + 1] * 3, counts  # the root, 2 layers in forward and backward, the head
+
+
+# ------------------------------------------------------------------------------------------- memory per phase
+
+def test_each_timed_phase_reports_its_peak_memory_and_an_enclosing_phase_keeps_its_inner_peaks():
+    """memory/<phase> beside time/<phase>: the allocator's peak on a GPU, the peak resident set on a CPU (Linux),
+    reset at each phase; a phase nested in another (forward_backward in training) folds into the outer's peak."""
+    timings = {}
+    with metrics.timed(timings, "time/training"):
+        with metrics.timed(timings, "time/forward_backward"):
+            big = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+            del big
+        with metrics.timed(timings, "time/optimizer"):
+            pass
+    assert {"memory/training", "memory/forward_backward", "memory/optimizer"} <= set(timings)
+    assert timings["memory/forward_backward"] >= timings["memory/optimizer"] + 48
+    assert timings["memory/training"] >= timings["memory/forward_backward"]
