@@ -1,6 +1,7 @@
 """The distribution the decode loop samples from: --generation_kwargs' processors in vLLM's order,
-then HF's penalty and filters, and the counter-based noise that makes every sample a pure function
-of (seed, row, step), so chunked and resumed generation give the same tokens."""
+then HF's penalty and filters, and the draw: an inverse CDF at a counter-based uniform that makes
+every sample a pure function of (seed, row, step), so chunked and resumed generation give the same
+tokens."""
 import dataclasses
 
 import torch
@@ -137,7 +138,7 @@ def completion_penalties(prompt_length, presence, frequency):
 
 
 # splitmix64 (Steele et al. 2014) in int64 arithmetic, which wraps as uint64 does; the shifts are
-# masked to act as logical ones. Counter-based: the noise of (row, step, token) needs no state.
+# masked to act as logical ones. Counter-based: the uniform of (row, step) needs no state.
 GOLDEN, MIX1, MIX2 = -7046029254386353131, -4658895280553007687, -7723592293110705685
 
 
@@ -156,10 +157,22 @@ def row_keys(seed, num_rows, device):
     return splitmix(splitmix(torch.tensor(seed % 2**62, device=device)) + rows * GOLDEN)
 
 
-def exponential_noise(keys, t, vocab_size):
-    """Exp(1) draws [B, V]: -log U, U a pure function of (row key, step t, token) on a 24-bit grid
-    in (0, 1)."""
-    tokens = torch.arange(vocab_size, device=keys.device)
-    bits = splitmix(keys[:, None] + (t * vocab_size + tokens + 1) * GOLDEN)
-    uniform = ((bits >> 40) & (2**24 - 1)).float().add_(0.5).mul_(2.0**-24)
-    return uniform.log_().neg_()
+def row_uniforms(keys, t):
+    """U[0, 1) [B] at step t, a pure function of (row key, t): 53 bits, float64. One draw per row
+    and step is all an inverse CDF needs, so the hashing runs over [B], not [B, V]."""
+    step = ((t + 1) * GOLDEN + 2**63) % 2**64 - 2**63  # (t + 1) * GOLDEN, wrapped as int64's
+    bits = splitmix(keys + step)  # [B] the splitmix64 stream of each row's key
+    return ((bits >> 11) & (2**53 - 1)).double().mul_(2.0**-53)
+
+
+def inverse_cdf(probs, uniforms):
+    """token ~ probs [B, V], exactly: the first token whose cumulative probability exceeds u times
+    the row's total (a zero-probability token never does). The cumsum runs in float64: in fp32,
+    past a running sum of 1/2 each token's step is rounded to a multiple of 6e-8, far above a 152k
+    vocabulary's tail tokens (their draw 20-100% off, total variation ~1e-3).
+    Over [B, V]: a cast, a cumsum, a binary search. -> [B]"""
+    cdf = probs.double().cumsum(-1)  # [B, V]
+    targets = uniforms[:, None] * cdf[:, -1:]  # [B, 1] below the total (u < 1)
+    # a row of NaN (every token banned) gets the last id, not one outside the vocabulary
+    tokens = torch.searchsorted(cdf, targets, right=True)[:, 0]  # [B]
+    return tokens.clamp_(max=probs.shape[-1] - 1)

@@ -92,7 +92,7 @@ def test_sampler_logps_equal_a_full_forward(tiny, knobs):
 
 @torch.no_grad()
 def test_decode_samples_from_the_processed_distribution_and_stops_when_all_rows_end(tiny):
-    """decode's draw (argmax p / E, E ~ Exp(1)) against the distribution HF's processors give: 20000 first tokens
+    """decode's draw (an inverse CDF at one uniform per row and step) against the distribution HF's processors give: 20000 first tokens
     of one prompt match softmax(processed logits) to 0.015, and filtered-out tokens never appear."""
     model, tokenizer, _ = tiny
     cfg = gen_cfg(max_completion_length=1, temperature=0.7, top_k=5, top_p=0.9)
@@ -120,8 +120,8 @@ def test_decode_samples_from_the_processed_distribution_and_stops_when_all_rows_
 
 
 def test_chunks_and_static_cache_give_the_samples_of_one_call_with_a_bounded_kv_cache(tiny, monkeypatch):
-    """A row's noise is a function of (seed, row, step, token), so decoding the 9 rows in chunks of 4 gives the samples
-    of one call (same seed) while each chunk's cache holds 4 rows; the static cache of the GPU path (full-width mask,
+    """A row's draw is a function of (seed, row, step), so decoding the 9 rows in chunks of 4 gives the samples
+    of one call (same seed) while each chunk's cache holds 4 rows; the static cache of --compile_decode (full-width mask,
     fixed shapes) samples the same tokens as the growing one."""
     model, tokenizer, _ = tiny
     prompts = ["123=", "4=", "98765="]
