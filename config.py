@@ -16,11 +16,15 @@ from dataclasses import dataclass, field, fields
 from typing import Literal
 
 import torch
+from tqdm import tqdm
 from transformers import HfArgumentParser, get_scheduler
 
 
 def fail(message):
-    """Stop with one clear line (no traceback): for bad input, found where it enters."""
+    """Stop with one clear line (no traceback): for bad input, found where it enters. A progress
+    bar on screen is wiped first, or the line would be printed onto the bar's."""
+    for bar in list(tqdm._instances):
+        bar.clear()
     raise SystemExit(f"error: {message}")
 
 

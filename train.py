@@ -33,6 +33,7 @@ logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 import torch  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 from transformers import get_scheduler  # noqa: E402
 
 import checkpoint  # noqa: E402
@@ -332,8 +333,8 @@ class RunHealth:
         """reward: the global batch's mean reward, NaN when nothing was scored."""
         self.unscored = self.unscored + 1 if math.isnan(reward) else 0
         if self.unscored == 1 and distributed.is_main():
-            print(f"rloo: WARNING: step {step}: every reward function returned None for every "
-                  "completion: this batch has no learning signal", file=sys.stderr)
+            tqdm.write(f"rloo: WARNING: step {step}: every reward function returned None for "
+                       "every completion: this batch has no learning signal", file=sys.stderr)
         if self.unscored >= self.cfg.max_nonfinite_steps:
             fail(f"{self.unscored} batches in a row were scored by no reward function (all None): "
                  "check that the reward functions apply to this dataset (their columns, their "

@@ -468,3 +468,22 @@ def test_save_total_limit_never_deletes_the_checkpoint_just_written(tmp_path, ch
                                              "1", "--resume_from_checkpoint", str(run_dir / "checkpoint-2")])
     assert out.returncode == 0, out.stderr[-2000:]
     assert sorted(p for p in os.listdir(run_dir) if p.startswith("checkpoint")) == ["checkpoint-4"]
+
+
+# ------------------------------------------------------------------------------------------------ messages
+
+def test_an_error_line_is_not_printed_onto_the_progress_bar(capsys):
+    """The bar is drawn without a newline: an error printed after it once shared its line
+    (`rloo:  50%|#####     | 1/2 [...]error: ...`)."""
+    from tqdm import tqdm
+
+    from config import fail
+
+    bar = tqdm(total=2, desc="rloo", file=sys.stderr)
+    bar.update(1)
+    with pytest.raises(SystemExit) as stop:
+        fail("the reward function raised")
+    sys.stderr.write(f"{stop.value}\n")  # as the interpreter prints it at exit
+    shown = capsys.readouterr().err.replace("\r", "\n").rstrip("\n").split("\n")[-1]  # the terminal's last line
+    bar.close()
+    assert shown == "error: the reward function raised"
