@@ -174,12 +174,35 @@ def unsharded(model):
         return
     settings = reshard_settings(model)
     model.set_reshard_after_forward(False)
+    for module in settings:
+        module.unshard()
     try:
-        yield
+        with without_fsdp_hooks(settings):
+            yield
     finally:
         for module, reshard in settings.items():
             module.reshard()
             module.set_reshard_after_forward(reshard, recurse=False)
+
+
+@contextmanager
+def without_fsdp_hooks(units):
+    """The gathered units as plain modules: their FSDP2 forward hooks taken out (they would only
+    find the weights gathered, and they are dynamo-disabled: a compiled decode step broke into a
+    graph per layer, recompiling on each layer's index)."""
+    saved = []
+    for module in units:
+        state = module._get_fsdp_state()
+        for name in ("_forward_pre_hooks", "_forward_hooks"):
+            hooks = getattr(module, name)
+            saved.append((module, name, hooks))
+            setattr(module, name, type(hooks)((key, hook) for key, hook in hooks.items()
+                                              if getattr(hook, "__self__", None) is not state))
+    try:
+        yield
+    finally:
+        for module, name, hooks in saved:
+            setattr(module, name, hooks)
 
 
 def reshard_settings(model):
@@ -345,26 +368,35 @@ def new_decoding(model, rows, columns, static, pad_id, device, cfg):
     width = round_up(columns, 256) if static else columns  # few distinct shapes: few compilations
     return Decoding(torch.full((rows, width), pad_id, device=device),
                     torch.zeros((rows, width), dtype=torch.long, device=device),
-                    kv_cache(model, width, static), static)
+                    kv_cache(model, width, static, rows), static)
 
 
 def round_up(n, multiple):
     return -(-n // multiple) * multiple
 
 
-def kv_cache(model, capacity, static):
+def kv_cache(model, capacity, static, rows=None):
     """The cache the model would build, its full-attention layers preallocated for `capacity`
     tokens: HF's StaticCache (fixed shapes) or KVBuffer (views that grow, so attention spans only
     the tokens so far)."""
-    if static:
-        return StaticCache(config=model.config, max_cache_len=capacity)
+    if static:  # one per shape, kept: CUDA graphs replay on the buffers they were recorded with
+        caches = STATIC_CACHES.setdefault(model, {})
+        cache = caches.get((rows, capacity))
+        if cache is None or any(layer.is_initialized and layer.max_cache_len != capacity
+                                for layer in cache.layers):
+            cache = caches[rows, capacity] = StaticCache(config=model.config,
+                                                         max_cache_len=capacity)
+        cache.reset()
+        return cache
     cache = DynamicCache(config=model.config)
     cache.layers = [KVBuffer(capacity) if type(layer) is DynamicLayer else layer
                     for layer in cache.layers]
     return cache
 
 
+STATIC_CACHES = weakref.WeakKeyDictionary()  # model -> {(rows, capacity): StaticCache}
 COMPILED_STEPS = weakref.WeakKeyDictionary()
+COMPILE_BACKEND = "inductor"  # tests count graphs with another
 
 
 def decode_step(model, cfg):
@@ -374,7 +406,8 @@ def decode_step(model, cfg):
         return model
     if model not in COMPILED_STEPS:
         mode = "reduce-overhead" if next(model.parameters()).device.type == "cuda" else None
-        COMPILED_STEPS[model] = torch.compile(model, mode=mode, dynamic=False)
+        COMPILED_STEPS[model] = torch.compile(model, mode=mode, dynamic=False,
+                                              backend=COMPILE_BACKEND)
     return COMPILED_STEPS[model]
 
 

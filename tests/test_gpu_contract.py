@@ -186,3 +186,26 @@ def test_each_timed_phase_reports_its_peak_memory_and_an_enclosing_phase_keeps_i
     assert {"memory/training", "memory/forward_backward", "memory/optimizer"} <= set(timings)
     assert timings["memory/forward_backward"] >= timings["memory/optimizer"] + 48
     assert timings["memory/training"] >= timings["memory/forward_backward"]
+
+
+def test_compile_decode_on_an_fsdp2_model_is_one_graph_over_two_generations(process_group, monkeypatch):
+    """--compile_decode on the bf16 FSDP2 policy (2 layers, one process): the weights are gathered for the whole
+    generation and the units run as plain modules, so the step is one Dynamo graph, not one per layer recompiled on
+    each layer's index (FSDP2's hooks are dynamo-disabled), and a second generation of the same shape compiles
+    nothing and decodes into the same StaticCache (CUDA graphs replay on the buffers they were recorded with)."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    monkeypatch.setattr(rollout, "COMPILE_BACKEND", counter)
+    torch._dynamo.reset()
+    model, tokenizer, _ = data.embedded_task(seed=0)
+    cfg = cfg_for(bf16=True, compile_decode=True, max_completion_length=6, num_generations=2)
+    model = models.prepare_model(model, cfg, trainable=True)
+    rows, caches = {"prompt": ["12=", "345="]}, []
+    kv_cache = rollout.kv_cache
+    monkeypatch.setattr(rollout, "kv_cache", lambda *args: caches.append(kv_cache(*args)) or caches[-1])
+    for seed in (0, 1):
+        rollout.generate(model, tokenizer, rows, cfg, torch.device("cpu"), seed=seed)
+    assert counter.frame_count == 1, counter.frame_count
+    assert len(caches) == 2 and caches[0] is caches[1]
+    assert all(isinstance(p, DTensor) for p in model.parameters())  # resharded after each
