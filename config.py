@@ -237,8 +237,9 @@ class Config:
         "Reward functions: built-in names (task_reward, accuracy_reward, think_format_reward), "
         "module:function or file.py:function.")
     reward_timeout: float | None = arg(None, greater_than(0),
-        "Seconds one reward function may take on a batch (sync or async); longer stops the run. "
-        "Default: no limit.")
+        "Seconds one reward function may take on a batch; longer stops the run. Default: 600 s "
+        "for async functions, no limit for sync ones (timing one runs it in a thread, which "
+        "switches off math-verify's own timeout); one still running is named every minute.")
     reward_weights: list[float] | None = arg(None, FINITE,
         "One weight per reward function (default: all 1.0).")
     reward_clip_range: list[float] | None = arg(None, FINITE,

@@ -154,8 +154,12 @@ def prompt_problem(prompt):
                     "words are not a conversation)")
         if not isinstance(message.get("role"), str):
             return f"a conversation whose message {j} has no string 'role' ({str(message)[:60]!r})"
-        if not isinstance(message.get("content"), (str, list)):
+        if "content" not in message:
             return (f"a conversation whose message {j} ({message['role']}) has no 'content' "
+                    f"({str(message)[:60]!r})")
+        if not isinstance(message["content"], (str, list)):
+            return (f"a conversation whose message {j} ({message['role']}) has a 'content' of "
+                    f"type {type(message['content']).__name__}, not a string "
                     f"({str(message)[:60]!r})")
     return None
 
@@ -215,6 +219,46 @@ def check_prompt_lengths(prompts, tokenizer, model, cfg, where):
              "positions. Drop long prompts or lower --max_completion_length")
 
 
+# What a reward function gets beside the row's columns (rewards.py), each by keyword: a column of
+# one of these names would be a second value for it. `environments` (the environment instances) is
+# reserved for the environment work.
+REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "step", "trainer_state",
+                    "log_extra", "log_metric", "environments")
+# Columns the trainer will read itself: `environment` will route a row to one of several
+# environments (SPEC 9), so a column of that name that means something else would be misread.
+RESERVED_COLUMNS = ("environment",)
+
+
+def check_columns(columns, where):
+    """A dataset's columns reach reward functions as keyword arguments: none may take the name of
+    an argument the trainer passes, nor a name the trainer reserves. One line at start-up."""
+    for column in columns:
+        if column in REWARD_ARGUMENTS:
+            fail(f"{where} has a column {column!r}, which is also the name of an argument the "
+                 f"trainer passes reward functions ({', '.join(REWARD_ARGUMENTS)}); rename the "
+                 "column")
+        if column in RESERVED_COLUMNS:
+            fail(f"{where} has a column {column!r}, a name rloo reserves (it will route each row "
+                 "to one of several environments); rename the column")
+
+
+# an eval set's metric names of one or two words (evaluation.py): with several sets, set x's
+# aux_loss and set x_aux's loss would both be eval_x_aux_loss
+EVAL_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "loss", "aux_loss")
+
+
+def check_eval_names(names):
+    """With several eval sets a metric is eval_<set>_<metric>: no two sets may write one key."""
+    for a, b in itertools.permutations(names, 2):
+        if not b.startswith(a + "_"):
+            continue
+        rest = b[len(a) + 1:]
+        clash = next((m for m in EVAL_METRICS if f"{rest}_{m}" in EVAL_METRICS), None)
+        if clash is not None:
+            fail(f"eval sets {a!r} and {b!r} would both log eval_{b}_{clash} (set {a}'s "
+                 f"{rest}_{clash} and set {b}'s {clash}); rename one of them")
+
+
 def load_datasets(cfg):
     """(train dataset or None for the embedded task, {name: eval set}, vision): the data is loaded
     before any model because it is cheaper to find out it is wrong. Image columns make it a
@@ -229,9 +273,13 @@ def load_datasets(cfg):
         name, _, source = named.partition("=")
         source, _, split = source.rpartition("@") if "@" in source else (source, "", "train")
         eval_sets[name] = load_data(cfg, split, streaming=False, path=source)
+    if dataset is not None:
+        check_columns(dataset.column_names or next(iter(dataset)), f"--dataset {cfg.dataset}")
     if hasattr(dataset, "__len__"):  # a stream's rows are checked as they are drawn
         check_prompts(dataset["prompt"], "dataset")
+    check_eval_names(list(eval_sets))
     for name, split in eval_sets.items():
+        check_columns(split.column_names, eval_where(cfg, name))
         check_prompts(split["prompt"], eval_where(cfg, name))
     vision = dataset is not None and bool({"image", "images"} & set(dataset.column_names
                                                                     or next(iter(dataset))))

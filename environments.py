@@ -20,6 +20,7 @@ import dataclasses
 
 import torch
 
+import data
 import tools
 from batches import Rollout
 from config import fail
@@ -176,13 +177,24 @@ class MultiTurn:
 
     def start(self, row):
         """A trajectory's environment (from its row), its prompt and the prompt's tokens. A factory
-        or reset that raises stops the run with one line: no trajectory could start."""
-        try:
-            env = self.make_env(row)
-            prompt = env.reset() if hasattr(env, "reset") else None
-        except Exception as e:
-            fail(f"--environment {self.cfg.environment or self.cfg.tools}: making the environment "
-                 f"of a row raised {type(e).__name__}: {e}")
+        or reset that raises, hangs past --environment_timeout or returns something other than an
+        environment and a prompt stops the run with one line: no trajectory could start."""
+        spec = self.cfg.environment or self.cfg.tools
+        outcome = tools.in_thread(lambda: open_environment(self.make_env, row),
+                                  self.cfg.environment_timeout)
+        if "value" not in outcome:  # a hung factory is abandoned in its daemon thread
+            e = outcome.get("error")
+            why = (f"raised {type(e).__name__}: {e}" if e else "did not return within "
+                   f"--environment_timeout {self.cfg.environment_timeout:g} s")
+            fail(f"--environment {spec}: making the environment of a row {why}")
+        env, prompt = outcome["value"]
+        if not callable(getattr(env, "step", None)):
+            fail(f"--environment {spec}: the factory returned {str(env)[:60]!r} (a "
+                 f"{type(env).__name__}), which has no step(text) method; return an environment")
+        problem = None if prompt is None else reset_problem(prompt)
+        if problem is not None:
+            fail(f"--environment {spec}: reset() returned {problem}; return a prompt (a non-empty "
+                 "string or a list of {'role', 'content'} messages), or None for the row's")
         prompt = row["prompt"] if prompt is None else prompt
         if self.cfg.tools and not is_conversational(prompt):
             fail("--tools needs conversational prompts ([{'role': 'user', 'content': ...}]): tool "
@@ -223,14 +235,12 @@ class MultiTurn:
             t.turns.append({"role": "environment", "content": f"error: step {why}"})
             return None, True
         result = outcome["value"]
-        kind = "a list of messages" if is_conversational(t.prompt) else "a string"
-        ok = isinstance(result, tuple) and len(result) == 2
-        reply, done = result if ok else (None, None)
-        if not ok or not (done or is_conversational(reply) == is_conversational(t.prompt)
-                          and (is_conversational(reply) or isinstance(reply, str))):
+        problem = step_problem(result, is_conversational(t.prompt))
+        if problem is not None:
+            kind = "a list of messages" if is_conversational(t.prompt) else "a string"
             fail(f"--environment {self.cfg.environment}: step must return (reply, done) with "
-                 f"reply {kind} (or anything with done=True); got {str(result)[:200]}")
-        return reply, bool(done)
+                 f"reply {kind} (or anything with done=True); got {problem}")
+        return result[0], bool(result[1])
 
     def reply_ids(self, t, text, reply, eos_id):
         """The environment's tokens: a standard reply as the tokenizer encodes it; a conversational
@@ -271,6 +281,45 @@ class MultiTurn:
                           generated_mask=generated, turns=[t.turns for t in trajectories])
         rollout.turn_stats = turn_stats(trajectories, device)
         return rollout
+
+
+def open_environment(make_env, row):
+    """make_env(row) and its reset(), if it has one -> (environment, prompt or None)."""
+    env = make_env(row)
+    return env, env.reset() if callable(getattr(env, "reset", None)) else None
+
+
+def reset_problem(prompt):
+    """What is wrong with the prompt a reset() returned, or None (data.prompt_problem's rule)."""
+    if not isinstance(prompt, (str, list)):
+        return f"{str(prompt)[:60]!r} of type {type(prompt).__name__}"
+    return data.prompt_problem(prompt)
+
+
+def is_flag(value):
+    """True or False, also as 0/1 or a numpy or torch bool: what step's `done` may be."""
+    try:
+        return not isinstance(value, (str, bytes)) and value in (0, 1)
+    except (TypeError, ValueError, RuntimeError):  # an array of several values
+        return False
+
+
+def step_problem(result, conversational):
+    """What is wrong with what env.step returned, or None: a (reply, done) pair, done a flag, and
+    unless done, the reply a string (standard prompts) or a list of messages (conversational),
+    each with a string role and content."""
+    if not isinstance(result, tuple) or len(result) != 2:
+        return str(result)[:200]
+    reply, done = result
+    if not is_flag(done):
+        return f"done={str(done)[:60]!r} (a {type(done).__name__}), which is not True or False"
+    if done:
+        return None
+    if not isinstance(reply, list if conversational else str):
+        return f"a reply {str(reply)[:100]!r} of type {type(reply).__name__}"
+    if conversational and reply and data.prompt_problem(reply) is not None:
+        return f"a reply that is {data.prompt_problem(reply)}"
+    return None
 
 
 def context_length(cfg, model):

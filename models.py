@@ -1,6 +1,8 @@
-"""The models: loading a policy (Hub id or local directory; text or vision-language), preparing it
-and the frozen reference for training (dropout off, train or eval mode, gradient checkpointing,
-FSDP2 sharding under torchrun), the optimizer, and the bf16 precision context.
+"""The models: loading a policy (Hub id or local directory; text or vision-language) or a reward
+model, with the checks on what a model directory holds (its files, the weights against the config,
+the token ids against the embedding), preparing the policy and the frozen reference for training
+(dropout off, train or eval mode, gradient checkpointing, FSDP2 sharding under torchrun), the
+optimizer, and the bf16 precision context.
 
 Sampling from a model is rollout.py; the tiny embedded model is built in data.py with its task.
 """
@@ -14,12 +16,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard,
                                     register_fsdp_forward_method)
-from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor,
-                          AutoTokenizer, BitsAndBytesConfig, PreTrainedModel)
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText,
+                          AutoModelForSequenceClassification, AutoProcessor, AutoTokenizer,
+                          BitsAndBytesConfig, PreTrainedModel)
 
 import distributed
 from config import fail
 from forward import base_of
+from model_files import load_weights, model_dir_problem, token_id_problem
 
 
 def load_pretrained(cfg, vision=False):
@@ -36,26 +40,45 @@ def load_pretrained(cfg, vision=False):
             bnb_4bit_compute_dtype=torch.bfloat16 if cfg.bf16 else torch.float32)
     model, tokenizer = load_model(cfg.model, vision, init_kwargs, cfg.trust_remote_code)
     if cfg.chat_template_path:  # TRL's: a Jinja file, or a tokenizer directory with a template
-        path = cfg.chat_template_path
-        tokenizer.chat_template = (open(path).read() if os.path.isfile(path) else
-                                   AutoTokenizer.from_pretrained(path).chat_template)
+        tokenizer.chat_template = chat_template_from(cfg.chat_template_path)
     return model, tokenizer
+
+
+def chat_template_from(path):
+    """--chat_template_path: a Jinja file, or a tokenizer directory that has a template (a
+    directory without one would leave the model's template silently unset)."""
+    if os.path.isfile(path):
+        with open(path) as f:
+            return f.read()
+    problem = model_dir_problem(path, needs=("tokenizer",))
+    template = None if problem else AutoTokenizer.from_pretrained(path).chat_template
+    if template is None:
+        fail(f"--chat_template_path {path!r}: {problem or 'its tokenizer has no chat template'}; "
+             "pass a Jinja file, or a tokenizer directory with chat_template.jinja")
+    return template
 
 
 def load_model(name, vision=False, init_kwargs=None, trust_remote_code=False):
     """Causal LM and tokenizer from a local directory or the Hub, fp32 master weights unless
     init_kwargs sets the dtype; vision=True (a dataset with images): an image-text-to-text model and
     its processor. A clear error when it cannot be found, is text-only or needs
-    --trust_remote_code."""
-    kwargs = {"dtype": torch.float32, "trust_remote_code": trust_remote_code, **(init_kwargs or {})}
+    --trust_remote_code; a directory's files and the token ids are checked first (one line naming
+    the directory and the file, not a traceback from deep inside transformers or generation)."""
+    init_kwargs = init_kwargs or {}
+    kwargs = {"dtype": torch.float32, "trust_remote_code": trust_remote_code, **init_kwargs}
+    where = "model directory" if os.path.isdir(name) else "model"
+    weights = not {"gguf_file", "variant"} & set(init_kwargs)  # other files than model.*
+    problem = model_dir_problem(name, ("config", "tokenizer") + ("weights",) * weights)
+    if problem:
+        fail(f"{where} {name!r}: {problem}")
     try:
         if vision:
-            model = AutoModelForImageTextToText.from_pretrained(name, **kwargs)
+            model, problem = load_weights(AutoModelForImageTextToText, name, **kwargs)
             tokenizer = AutoProcessor.from_pretrained(name, trust_remote_code=trust_remote_code)
         else:
-            model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+            model, problem = load_weights(AutoModelForCausalLM, name, **kwargs)
             tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, TypeError, ImportError) as e:
+    except (OSError, ValueError, TypeError, ImportError, RuntimeError) as e:
         if vision and "Unrecognized configuration class" in str(e):
             fail(f"the dataset has images but {name!r} is a text-only model; use a "
                  "vision-language model (e.g. Qwen/Qwen2-VL-2B-Instruct, "
@@ -69,6 +92,9 @@ def load_model(name, vision=False, init_kwargs=None, trust_remote_code=False):
     if vision and not hasattr(tokenizer, "image_processor"):
         fail(f"the dataset has images but {name!r} has no image processor "
              "(preprocessor_config.json); use a vision-language model or drop the image column")
+    problem = problem or token_id_problem(name, model, getattr(tokenizer, "tokenizer", tokenizer))
+    if problem:
+        fail(f"{where} {name!r}: {problem}")
     # bitsandbytes 4-bit on CPU: an eval-mode forward (our sampling) repacks the weights in place,
     # and later gradients come out wrong
     for module in model.modules():
@@ -77,6 +103,32 @@ def load_model(name, vision=False, init_kwargs=None, trust_remote_code=False):
     return model, tokenizer
 
 
+def load_reward_model(path):
+    """A sequence-classification model and its tokenizer (right-padded: the model scores the last
+    non-pad token), checked as the policy is: the directory's files, the weights against the
+    config, the pad id. -> (model, tokenizer); a ValueError of one line naming the file."""
+    problem = model_dir_problem(path)
+    if problem:
+        raise ValueError(problem)
+    architectures = AutoConfig.from_pretrained(path).architectures or []
+    if not any(a.endswith("ForSequenceClassification") for a in architectures):
+        raise ValueError(f"it is a {', '.join(architectures) or 'model'} with no "
+                         "sequence-classification head (one would be initialised at random); "
+                         "pass a reward model")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model, problem = load_weights(AutoModelForSequenceClassification, path, dtype=torch.float32)
+    problem = problem or token_id_problem(path, model, tokenizer, generates=False)
+    if problem:
+        raise ValueError(problem)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+# What a model directory must hold, and the JSON files from_pretrained reads when they are there.
+# The tokenizer: tokenizer.json (fast), or a vocabulary its tokenizer_config.json's class reads.
 def disable_dropout(model):
     """Dropout off everywhere: it would make the sampler and the trainer different policies. Modules
     copy their rates at construction (attention's `self.attention_dropout =

@@ -5,17 +5,23 @@ function is called as
     f(prompts=[...], completions=[...], completion_ids=[...], **dataset_columns, step=...,
       trainer_state=..., log_extra=..., log_metric=...)
 with one entry per completion (each prompt repeated G times) and returns a list of float | None of
-the same length. None means "does not apply to this completion". `async def` functions run
-concurrently. As in TRL, trainer_state is a transformers.TrainerState (global_step, max_steps,
-epoch, ...), log_extra(column, values) adds a column of one value per completion to the
-completions table, and log_metric(name, value) logs a scalar: the mean over the step's calls on
-all ranks.
+the same length. None means "does not apply to this completion". Each function gets its own
+copy of the arguments (what it changes in place, no other sees). `async def` functions run
+concurrently, stopped after ASYNC_TIMEOUT (10 minutes) unless --reward_timeout says otherwise;
+a function still running after a minute is named on stderr every minute. As in TRL,
+trainer_state is a transformers.TrainerState (global_step, max_steps, epoch, ...),
+log_extra(column, values) adds a column of one value per completion to the completions table, and
+log_metric(name, value) logs a scalar: the mean over the step's calls on all ranks.
 """
 
 import asyncio
+import contextlib
+import copy
+import functools
 import importlib
 import importlib.util
 import inspect
+import itertools
 import math
 import numbers
 import os
@@ -23,6 +29,7 @@ import re
 import sys
 import sysconfig
 import threading
+import time
 import traceback
 
 import torch
@@ -31,7 +38,7 @@ from transformers import TrainerState
 import distributed
 import tools
 from config import fail
-from models import prepare_model
+from models import load_reward_model, prepare_model
 from prompting import is_conversational, repeat_each
 
 
@@ -138,8 +145,8 @@ def looks_like_model(spec):
 
 
 def load_reward_func(spec, prepare_model=None, device="cpu", max_completion_length=None):
-    """'accuracy_reward' (built-in) | 'pkg.module:fn' | 'path/to/file.py:fn' | a
-    sequence-classification model (local directory or Hub id) -> callable. prepare_model
+    """'accuracy_reward' (built-in) | 'pkg.module:fn' | 'path/to/file.py:fn' | 'path/to/package:fn'
+    | a sequence-classification model (local directory or Hub id) -> callable. prepare_model
     places/shards a reward model like the reference model."""
     if spec in BUILTINS:
         return BUILTINS[spec]
@@ -148,25 +155,10 @@ def load_reward_func(spec, prepare_model=None, device="cpu", max_completion_leng
         return soft_overlong_punishment(max_completion_length, max(1, max_completion_length // 5))
     if ":" in spec:
         source, name = spec.rsplit(":", 1)
-        if source.endswith(".py"):
-            if not os.path.isfile(source):
-                raise ValueError(f"reward function file {source!r} does not exist")
-            module_spec = importlib.util.spec_from_file_location(os.path.basename(source)[:-3],
-                                                                 source)
-            module = importlib.util.module_from_spec(module_spec)
-            try:
-                module_spec.loader.exec_module(module)
-            except BaseException as e:  # noqa: BLE001 (a syntax error, a failing import, sys.exit)
-                message = f"cannot load reward function file {source!r}: {user_error(e)}"
-                raise ValueError(message) from None
-        else:
-            try:
-                module = importlib.import_module(source)
-            except BaseException as e:  # noqa: BLE001
-                raise ValueError(f"cannot import module {source!r} for reward function {spec!r}: "
-                                 f"{user_error(e)}") from None
+        module = reward_module(source, spec)
         if not hasattr(module, name):
-            raise ValueError(f"{source!r} has no function {name!r} (reward function {spec!r})")
+            raise ValueError(f"{source!r} has no function {name!r} (reward function {spec!r})"
+                             f"{shadowed(module, source, name)}")
         if not callable(getattr(module, name)):
             raise ValueError(f"{source}:{name} is a {type(getattr(module, name)).__name__}, not a "
                              "function")
@@ -178,26 +170,69 @@ def load_reward_func(spec, prepare_model=None, device="cpu", max_completion_leng
                      "path of a sequence-classification model")
 
 
+def reward_module(source, spec):
+    """The module of 'SOURCE:function': a .py file or a package directory, by path, else a module
+    name on sys.path. A failure is a ValueError of one line."""
+    if source.endswith(".py") or os.path.isdir(source):
+        return module_from_path(source)
+    try:
+        return importlib.import_module(source)
+    except BaseException as e:  # noqa: BLE001 (a failing import inside it, sys.exit)
+        local = source.replace(".", os.sep) + ".py"
+        hint = f"; to load the {local} here, pass {local}:FUNCTION" if os.path.isfile(local) else ""
+        raise ValueError(f"cannot import module {source!r} for reward function {spec!r}: "
+                         f"{user_error(e)}{hint}") from None
+
+
+def shadowed(module, source, name):
+    """Why a module lacks the function: it is one of rloo's own (data, config, ...), found before
+    a file of the same name in the current directory."""
+    local = source.replace(".", os.sep) + ".py"
+    ours = os.path.dirname(os.path.abspath(getattr(module, "__file__", None) or "")) == PROJECT
+    if not ours or not os.path.isfile(local):
+        return ""
+    return (f": {source!r} is rloo's own {os.path.basename(module.__file__)}, which shadows the "
+            f"{local} here; pass {local}:{name} (a path) or rename the file")
+
+
+PROJECT = os.path.dirname(os.path.abspath(__file__))
+loaded_modules = itertools.count()  # a name of its own for each file or package loaded by path
+
+
+def module_from_path(source):
+    """A .py file, or a package directory through its __init__.py, imported under a name of its
+    own and registered in sys.modules: a package's relative imports and a file's dataclasses need
+    it, and no module of the same name (json.py, data.py) is replaced."""
+    package = os.path.isdir(source)
+    entry = os.path.join(source, "__init__.py") if package else source
+    if not os.path.isfile(entry):
+        raise ValueError(f"reward function directory {source!r} has no __init__.py: make it a "
+                         "package, or give DIR/FILE.py:FUNCTION" if package
+                         else f"reward function file {source!r} does not exist")
+    stem = os.path.basename(os.path.normpath(source)).removesuffix(".py")
+    name = f"rloo_reward_{next(loaded_modules)}_{stem}"
+    module_spec = importlib.util.spec_from_file_location(
+        name, entry, submodule_search_locations=[source] if package else None)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException as e:  # noqa: BLE001 (a syntax error, a failing import, sys.exit)
+        del sys.modules[name]
+        what = "package" if package else "file"
+        message = f"cannot load reward function {what} {source!r}: {user_error(e)}"
+        raise ValueError(message) from None
+    return module
+
+
 def reward_model(path, prepare_model, device):
     """A sequence-classification model as a reward function: prompt + completion (through the chat
     template for conversations), right-padded, no gradient, reward = logits[:, 0] at the last token.
     Named after the path."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
-
-    try:
-        architectures = AutoConfig.from_pretrained(path).architectures or []
-        if not any(a.endswith("ForSequenceClassification") for a in architectures):
-            raise ValueError(f"it is a {', '.join(architectures) or 'model'} with no "
-                             "sequence-classification head (one would be initialised at random); "
-                             "pass a reward model")
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
-    except (OSError, ValueError) as e:
+    try:  # its files, weights and pad id checked at start-up, not at the first batch it scores
+        model, tokenizer = load_reward_model(path)
+    except (OSError, ValueError, RuntimeError) as e:
         raise ValueError(f"cannot load reward model {path!r}: {str(e).splitlines()[0]}") from None
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "right"
-    model.config.pad_token_id = tokenizer.pad_token_id  # the model scores the last non-pad token
     model = prepare_model(model)
 
     @torch.no_grad()
@@ -248,10 +283,16 @@ calling = [False]
 def _validate(name, values, n):
     """list[float | None] of length n -> list[float] with NaN for None; anything else is a
     RewardError."""
+    if inspect.isawaitable(values):  # a sync wrapper around an async function
+        getattr(values, "close", lambda: None)()  # no "never awaited" warning after the line
+        raise RewardError(f"reward function {name!r} returned a {type(values).__name__} without "
+                          "awaiting it: declare it (or its __call__) `async def`, so the trainer "
+                          "awaits it")
     if isinstance(values, torch.Tensor):
         values = values.tolist()
     if not hasattr(values, "__len__") or isinstance(values, (str, dict)) or len(values) != n:
-        got = f"length {len(values)}" if hasattr(values, "__len__") else type(values).__name__
+        sized = hasattr(values, "__len__") and not isinstance(values, (str, dict))
+        got = f"length {len(values)}" if sized else type(values).__name__
         raise RewardError(f"reward function {name!r} must return a list of {n} floats (one per "
                           f"completion), got {got}")
     out = []
@@ -298,73 +339,217 @@ def print_user_traceback(error):
           file=sys.stderr)
 
 
+class RewardTimeout(Exception):
+    """A reward function that did not return in time (told apart from a TimeoutError of its own)."""
+
+
 def run_with_timeout(call, timeout):
     """call() in this thread, or with a timeout in a daemon thread (tools.in_thread)."""
     if timeout is None:
         return call()
     outcome = tools.in_thread(call, timeout)
     if not outcome:
-        raise TimeoutError(f"did not return within --reward_timeout {timeout:g} s")
+        raise RewardTimeout(f"did not return within --reward_timeout {timeout:g} s")
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
 
 
-def compute_rewards(funcs, prompts, completions, completion_ids, columns, timeout=None, **extra):
+# With no --reward_timeout an async reward function (a judge model behind an API) is stopped after
+# this many seconds, room for a slow judge. A sync one has no limit: timing it would run it in a
+# thread, and that switches off math-verify's own timeout in accuracy_reward (main thread only).
+ASYNC_TIMEOUT = 600.0
+# A reward function still running after SLOW_AFTER s is named on stderr, then every SLOW_EVERY s
+SLOW_AFTER = SLOW_EVERY = 60.0
+
+
+@contextlib.contextmanager
+def warn_while_slow(running, at, limit):
+    """While the block runs: after SLOW_AFTER s, and every SLOW_EVERY s after that, one line on
+    stderr naming the reward functions still running (running() -> names), so that a slow one is
+    seen for what it is rather than taken for a hang. limit: what stops it, in words."""
+    done, start = threading.Event(), time.monotonic()
+    where = f" on rank {distributed.rank()}" if distributed.world_size() > 1 else ""
+
+    def watch():
+        wait = SLOW_AFTER
+        while not done.wait(wait) and running():
+            print(f"rloo: WARNING: reward function {', '.join(map(repr, running()))} still "
+                  f"running{at}{where} after {time.monotonic() - start:.0f} s ({limit})",
+                  file=sys.stderr, flush=True)
+            wait = SLOW_EVERY
+
+    threading.Thread(target=watch, daemon=True, name="rloo-reward-watch").start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+def time_limit(timeout, is_async):
+    """What stops a reward function, in words (the slow warning's)."""
+    if timeout is not None:
+        return f"--reward_timeout {timeout:g} s stops it"
+    if is_async:
+        return (f"stopped at {ASYNC_TIMEOUT:g} s, the default for async reward functions; "
+                "--reward_timeout sets another")
+    return "no time limit for a sync reward function; --reward_timeout sets one"
+
+
+SCALARS = frozenset((str, int, float, bool, type(None)))
+
+
+def own_copy(value):
+    """value with its lists, tuples and dicts copied afresh, what they hold at the bottom (strings,
+    numbers, images) shared: what a reward function does to its arguments in place stays in its
+    copy, unseen by the functions after it and by the logged completions."""
+    if type(value) is list:
+        if set(map(type, value)) <= SCALARS:  # token ids, texts: one C-level copy
+            return value.copy()
+        return [own_copy(v) for v in value]
+    if type(value) is tuple:
+        return tuple(own_copy(v) for v in value)
+    if type(value) is dict:
+        return {k: own_copy(v) for k, v in value.items()}
+    if isinstance(value, TrainerState):
+        return copy.deepcopy(value)
+    return value
+
+
+def reward_arguments(prompts, completions, completion_ids, columns, extra):
+    """Every reward function's keyword arguments: the batch's, the row columns', the trainer's
+    (extra). A column named like another argument is one line (data.check_columns stops it at
+    start-up; a stream's later row can still bring one)."""
+    given = dict(prompts=prompts, completions=completions, completion_ids=completion_ids)
+    clash = sorted(set(columns) & (set(given) | set(extra)))
+    if clash:
+        raise RewardError(f"the batch has a column {clash[0]!r}, which is also the name of an "
+                          "argument the trainer passes reward functions; rename the column")
+    return {**given, **columns, **extra}
+
+
+def guarded(name, at, call):
+    """call(), reward code: a failure, even a SystemExit, is a RewardError naming the function,
+    after the function's own traceback; a timeout or a signal while it runs is one too."""
+    calling[0] = True
+    try:
+        return call()
+    except Interrupted as e:
+        raise RewardError(f"{e} while reward function {name!r} was running{at}, which did not "
+                          "return within 10 s of it: stopped") from None
+    except RewardTimeout as e:
+        raise RewardError(f"reward function {name!r}{at} {e}") from None
+    except BaseException as e:  # noqa: BLE001 (user code: SystemExit and KeyboardInterrupt too)
+        print_user_traceback(e)
+        raise RewardError(f"reward function {name!r} raised{at}: {user_error(e)}") from e
+    finally:
+        calling[0] = False
+
+
+def compute_rewards(funcs, prompts, completions, completion_ids, columns, timeout=None,
+                    names=None, **extra):
     """Call every reward function on the B completions -> [B, K] float tensor, NaN where a function
     returned None.
 
-    Sync functions run one after another; async ones run concurrently on one event loop
-    (asyncio.gather). Each is bounded by `timeout` seconds (None: unbounded). Any failure, even a
-    SystemExit, is a RewardError naming the function, after the function's own traceback; a signal
-    while one runs is one too.
+    Each function gets its own copy of the arguments (own_copy). Sync functions run one after
+    another in this thread, within `timeout` seconds when one is given (then in a thread); async
+    ones run concurrently on one event loop (run_async). A function still running after
+    SLOW_AFTER s is named on stderr. names: the functions' metric names (default reward_name).
     """
-    kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids,
-                  **columns, **extra)
-    names = [reward_name(f) for f in funcs]
+    kwargs = reward_arguments(prompts, completions, completion_ids, columns, extra)
+    names = names or [reward_name(f) for f in funcs]
     at = f" at step {extra['step']}" if "step" in extra else ""
-
-    def guarded(name, call):
-        calling[0] = True
-        try:
-            return call()
-        except Interrupted as e:
-            raise RewardError(f"{e} while reward function {name!r} was running{at}, which did not "
-                              "return within 10 s of it: stopped") from None
-        except (TimeoutError, asyncio.TimeoutError) as e:
-            raise RewardError(f"reward function {name!r}{at} {e or 'timed out'}") from None
-        except BaseException as e:  # noqa: BLE001 (user code: SystemExit and KeyboardInterrupt too)
-            print_user_traceback(e)
-            raise RewardError(f"reward function {name!r} raised{at}: {user_error(e)}") from e
-        finally:
-            calling[0] = False
-
-    outputs = {k: guarded(names[k], lambda f=f: run_with_timeout(lambda: f(**kwargs), timeout))
-               for k, f in enumerate(funcs) if not _is_async(f)}
+    outputs = {}
+    for k, f in enumerate(funcs):
+        if _is_async(f):
+            continue
+        call = functools.partial(f, **own_copy(kwargs))
+        with warn_while_slow(lambda k=k: [names[k]], at, time_limit(timeout, False)):
+            outputs[k] = guarded(names[k], at, lambda: run_with_timeout(call, timeout))
     async_ids = [k for k, f in enumerate(funcs) if _is_async(f)]
     if async_ids:
-        async def bounded(k):
-            try:
-                return await asyncio.wait_for(funcs[k](**kwargs), timeout)
-            except (TimeoutError, asyncio.TimeoutError):
-                message = f"did not return within --reward_timeout {timeout:g} s"
-                raise TimeoutError(message) from None
-
-        async def gather():
-            return await asyncio.gather(*(bounded(k) for k in async_ids), return_exceptions=True)
-
-        results = guarded(", ".join(names[k] for k in async_ids), lambda: asyncio.run(gather()))
-        for k, result in zip(async_ids, results):
-            outputs[k] = guarded(names[k], lambda r=result: raise_if_error(r))
+        outputs.update(run_async(funcs, names, async_ids, kwargs, timeout, at))
     columns_out = [_validate(names[k], outputs[k], len(completions)) for k in range(len(funcs))]
     # [B, K]
     return torch.tensor(columns_out, dtype=torch.float32).T.reshape(len(completions), len(funcs))
+
+
+def run_async(funcs, names, ids, kwargs, timeout, at):
+    """funcs[ids], async, concurrently on one event loop (asyncio.gather), so their latencies
+    overlap; each within `timeout` s, or ASYNC_TIMEOUT when none is given -> {k: output}."""
+    limit = ASYNC_TIMEOUT if timeout is None else timeout
+    why = (f"--reward_timeout {timeout:g} s" if timeout is not None else
+           f"{ASYNC_TIMEOUT:g} s, the default for async reward functions (--reward_timeout)")
+    pending = set(ids)
+
+    async def bounded(k, arguments):
+        try:
+            task = asyncio.ensure_future(funcs[k](**arguments))
+            done, _ = await asyncio.wait({task}, timeout=limit)
+        finally:
+            pending.discard(k)
+        if not done:
+            task.cancel()
+            raise RewardTimeout(f"did not return within {why}")
+        return task.result()
+
+    async def gather():
+        calls = [bounded(k, own_copy(kwargs)) for k in ids]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    with warn_while_slow(lambda: [names[k] for k in ids if k in pending], at,
+                         time_limit(timeout, True)):
+        results = guarded(", ".join(names[k] for k in ids), at, lambda: asyncio.run(gather()))
+    return {k: guarded(names[k], at, lambda r=result: raise_if_error(r))
+            for k, result in zip(ids, results)}
 
 
 def raise_if_error(result):
     if isinstance(result, BaseException):
         raise result
     return result
+
+
+# The completions table's own columns (metrics.completions_table): a reward function or a
+# log_extra column of one of these names would be a second column of that name
+TABLE_COLUMNS = ("step", "prompt", "completion", "advantage", "image")
+# The trainer's own metric names and groups (metrics.py, train.py, batches.py): a log_metric of
+# one of them, or of evaluation's eval_..., would overwrite it or pose as it
+TRAINER_METRICS = ("step", "epoch", "reward", "reward_std", "frac_reward_zero_std", "kl",
+                   "entropy", "loss", "grad_norm", "learning_rate", "num_tokens", "step_time",
+                   "aux_loss", "nonfinite_skipped")
+TRAINER_GROUPS = ("rewards", "completions", "clip_ratio", "sampling", "dynamic_sampling", "time",
+                  "tokens_per_second", "turns", "tools", "environment")
+
+
+def trainer_metric(name):
+    """Whether a metric name is the trainer's: one it logs, one of its groups, or evaluation's."""
+    group, slash, _ = name.partition("/")
+    in_group = bool(slash) and group in TRAINER_GROUPS
+    return name in TRAINER_METRICS or in_group or name.startswith("eval_")
+
+
+def unique_names(funcs, specs=None):
+    """The functions' metric names (reward_name), each made distinct from those before it and from
+    the table's columns by a suffix, with a warning: a second `score` logs as rewards/score_1/mean
+    rather than overwrite the first's rewards/score/mean. specs: --reward_funcs, to name them."""
+    def label(i):
+        return f"reward function {i + 1} ({specs[i] if specs else reward_name(funcs[i])})"
+
+    names = []
+    for k, func in enumerate(funcs):
+        name = unique = reward_name(func)
+        suffix = 0
+        while unique in names or unique in TABLE_COLUMNS:
+            suffix += 1
+            unique = f"{name}_{suffix}"
+        if unique != name and distributed.is_main():
+            same = (f"as is {label(names.index(name))}" if name in names
+                    else "a column of the completions table")
+            print(f"rloo: WARNING: {label(k)} is named {name!r}, {same}: it logs as "
+                  f"rewards/{unique}/mean and rewards/{unique}/std", file=sys.stderr)
+        names.append(unique)
+    return names
 
 
 class RewardFunctions:
@@ -374,7 +559,8 @@ class RewardFunctions:
 
     def __init__(self, funcs, weights=None, timeout=None, cfg=None):
         self.funcs, self.timeout, self.cfg = funcs, timeout, cfg
-        self.names = [reward_name(f) for f in funcs]
+        specs = cfg and cfg.reward_funcs
+        self.names = unique_names(funcs, specs if specs and len(specs) == len(funcs) else None)
         self.weights = torch.tensor(weights or [1.0] * len(funcs))  # [K]
         self.max_steps, self.steps_per_epoch = 0, None
 
@@ -401,28 +587,49 @@ class RewardFunctions:
         if rollout.turns is not None:  # multi-turn: the conversation after the prompt
             completions = rollout.turns
         columns = {c: repeat_each(v, G) for c, v in rollout.rows.items() if c != "prompt"}
-        logged = {}  # column -> values, one per completion
-
-        def log_extra(column, values):
-            values = list(values)
-            if len(values) != len(completions):
-                raise ValueError(f"log_extra({column!r}, ...) got {len(values)} values for "
-                                 f"{len(completions)} completions: give one per completion")
-            logged[str(column)] = values
-
-        def log_metric(name, value):
-            value = float(value)  # a tensor or number; TypeError/ValueError name the function
-            rollout.logged_metrics.setdefault(str(name), []).append(value)
-
+        log = RewardLog(rollout, len(completions), self.names)
         try:
             rewards = compute_rewards(self.funcs, prompts, completions, rollout.completion_lists,
-                                      columns, self.timeout, step=step,
+                                      columns, self.timeout, self.names, step=step,
                                       trainer_state=self.trainer_state(step),
-                                      log_extra=log_extra, log_metric=log_metric)
+                                      log_extra=log.log_extra, log_metric=log.log_metric)
         except RewardError as e:
             fail(f"{e}. Checkpoints already written are intact")
-        rollout.logged_columns.update(logged)
+        rollout.logged_columns.update(log.columns)
         return rewards.to(rollout.completion_mask.device)
+
+
+class RewardLog:
+    """What reward functions log on one batch, TRL's log_extra(column, values) (columns of the
+    completions table) and log_metric(name, value) (into rollout.logged_metrics), checked as user
+    code calls them: a table column's name or a trainer metric's, a count other than B, a value
+    that is not a number is a ValueError, which the calling function's one line names."""
+
+    def __init__(self, rollout, B, reward_names):
+        self.rollout, self.B, self.reward_names = rollout, B, reward_names
+        self.columns = {}  # column -> values, one per completion
+
+    def log_extra(self, column, values):
+        column, values = str(column), list(values)
+        if column in TABLE_COLUMNS or column in self.reward_names:
+            raise ValueError(f"log_extra({column!r}, ...): the completions table has a column "
+                             f"{column!r} of its own; choose another name")
+        if len(values) != self.B:
+            raise ValueError(f"log_extra({column!r}, ...) got {len(values)} values for {self.B} "
+                             "completions: give one per completion")
+        self.columns[column] = values
+
+    def log_metric(self, name, value):
+        name = str(name)
+        if trainer_metric(name):
+            raise ValueError(f"log_metric({name!r}, ...): {name!r} is the trainer's own metric "
+                             "name (or in its eval_, rewards/, time/... groups); choose another")
+        try:
+            value = float(value)  # a number, or a tensor of one
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"log_metric({name!r}, {str(value)[:40]!r}): the value must be a "
+                             "number") from None
+        self.rollout.logged_metrics.setdefault(name, []).append(value)
 
 
 def load_rewards(cfg, device):

@@ -30,9 +30,11 @@ call without arguments means no arguments.
 import asyncio
 import importlib.util
 import inspect
+import itertools
 import json
 import os
 import re
+import sys
 import threading
 import traceback
 from dataclasses import dataclass
@@ -66,10 +68,16 @@ def load_tools(spec):
         if not callable(func):
             fail(f"tool {name} in {source} is a {type(func).__name__}, not a function")
         if tool_name(func) in [tool_name(f) for f in funcs]:
-            fail(f"tools {spec!r}: two tools are named {tool_name(func)}")
+            # the model calls a tool by its __name__, not by the name it is listed under
+            alias = f" ({name} is {tool_name(func)})" if name != tool_name(func) else ""
+            fail(f"tools {spec!r}: two tools are named {tool_name(func)}{alias}, the name the "
+                 "model calls a tool by; list each function once")
         tool_schema(func)
         funcs.append(func)
     return funcs
+
+
+imported_files = itertools.count()  # a module name of its own for each file
 
 
 def import_file(source, what="tool file"):
@@ -77,12 +85,15 @@ def import_file(source, what="tool file"):
     file does not exist or raises while it is imported (environments.py's files too)."""
     if not os.path.isfile(source):
         fail(f"{what} {source!r} does not exist")
-    name = os.path.basename(source)[:-3]
-    module_spec = importlib.util.spec_from_file_location(f"rloo_{what.split()[0]}_{name}", source)
+    # a name of its own, registered: dataclasses look their module up in sys.modules
+    name = f"rloo_{what.split()[0]}_{next(imported_files)}_{os.path.basename(source)[:-3]}"
+    module_spec = importlib.util.spec_from_file_location(name, source)
     module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
     try:
         module_spec.loader.exec_module(module)
     except BaseException as e:  # noqa: BLE001 (a syntax error, a failing import, sys.exit)
+        del sys.modules[name]
         fail(f"cannot load {what} {source}: {import_error(e, source)}")
     return module
 
@@ -343,7 +354,7 @@ def call_tool(funcs_by_name, call, timeout):
         if isinstance(error, SystemExit):
             return f"error: {name} called sys.exit({error.code!r})", True
         return f"error: {name} raised {type(error).__name__}: {error}", True
-    return result_text(outcome["value"]), False
+    return result_text(outcome["value"], name), False
 
 
 def run_tool(func, arguments, timeout):
@@ -381,14 +392,31 @@ def in_thread(call, timeout):
     return outcome if not thread.is_alive() else {}
 
 
-def result_text(value):
-    """What the model reads: a string as it is, anything else as JSON (str() if not JSON)."""
+def result_text(value, name="tool"):
+    """What the model reads: a string as it is, anything else as JSON (arrays and tensors as their
+    lists); what JSON cannot hold as its str(), with a warning naming the tool, once per tool and
+    type, since the model then reads a repr the tool's author likely never meant it to."""
     if isinstance(value, str):
         return value
     try:
-        return json.dumps(value, ensure_ascii=False)
+        return json.dumps(value, ensure_ascii=False, default=as_json)
     except (TypeError, ValueError):
+        if (name, type(value)) not in warned:
+            warned.add((name, type(value)))
+            print(f"rloo: WARNING: tool {name} returned a {type(value).__name__}, which is neither "
+                  f"text nor JSON: the model reads its str(), {str(value)[:60]!r}; return a str "
+                  "or JSON data (dict, list, number)", file=sys.stderr)
         return str(value)
+
+
+warned = set()  # (tool name, result type) already warned about
+
+
+def as_json(value):
+    """json.dumps's fallback: numpy arrays and scalars, tensors, as their lists or numbers."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON")
 
 
 # ---------------------------------------------------------------------------------------------
