@@ -380,12 +380,15 @@ def save_checkpoint(cfg, model, optimizer, scheduler, state, vision=False, ref_m
     try:
         write_checkpoint(cfg, model, optimizer, scheduler, state, vision, ref_model, final + ".tmp")
     except (OSError, CheckpointException) as e:  # CheckpointException: DCP's, a BaseException
+        # a full disk can surface as torch's own error (its zip writer's "unexpected pos"): say it
+        full = shutil.disk_usage(cfg.output_dir).free < 2**20 and "No space left" not in reason(e)
+        full = full and "No space left on device: "
         if distributed.is_main():
             shutil.rmtree(final + ".tmp", ignore_errors=True)
         last = checkpoint_dirs(cfg.output_dir)
         kept = f"the last complete checkpoint, {last[-1]}, is intact" if last else "nothing is lost"
-        fail(f"cannot write {final} ({reason(e)}): the partial copy is removed and {kept}. Free "
-             "disk space, then resume with --resume_from_checkpoint latest")
+        fail(f"cannot write {final} ({full or ''}{reason(e)}): the partial copy is removed and "
+             f"{kept}. Free disk space, then resume with --resume_from_checkpoint latest")
     if distributed.is_main():
         shutil.rmtree(final, ignore_errors=True)
         os.rename(final + ".tmp", final)
