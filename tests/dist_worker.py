@@ -37,18 +37,22 @@ if cfg.use_peft:  # B drawn at random, the same on every rank, so that A gets a 
             p.data.copy_(torch.randn(p.shape, generator=g) * 0.05)
 model = models.prepare_model(model, cfg, trainable=True)
 # a frozen reference, synced after the step (TR-DPO: ref <- ref + alpha (pi - ref)) after a no-grad forward
-ref = models.prepare_model(data.embedded_task(seed=1)[0], cfg, trainable=False)
-forward.batch_logps(ref, batch, cfg)
+# (with LoRA the reference is the adapter-off policy: nothing to sync)
+ref = None if cfg.use_peft else models.prepare_model(data.embedded_task(seed=1)[0], cfg, trainable=False)
+if ref is not None:
+    forward.batch_logps(ref, batch, cfg)
 # updated weights = w - grad: compares the gradients
 optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
 scores = train.Scores(None, None, batch.completion_mask.float(), advantages[rows])
 _, stats, grad_norm, _ = train.policy_step(cfg, model, optimizer, scheduler, batch, scores)
 stats = distributed.reduce_sums(stats)
-models.sync_reference(dataclasses.replace(cfg, sync_ref_model=True, ref_model_sync_steps=1,
-                                          ref_model_mixup_alpha=0.5), model, ref, step=1)
-options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-state, ref_state = get_model_state_dict(model, options=options), get_model_state_dict(ref, options=options)
+options, ref_state = StateDictOptions(full_state_dict=True, cpu_offload=True), None
+if ref is not None:
+    models.sync_reference(dataclasses.replace(cfg, sync_ref_model=True, ref_model_sync_steps=1,
+                                              ref_model_mixup_alpha=0.5), model, ref, step=1)
+    ref_state = get_model_state_dict(ref, options=options)
+state = get_model_state_dict(model, options=options)
 if rank == 0:
     torch.save({"loss": stats["loss"] / world_size, "grad_norm": grad_norm.item(), "state": state, "ref": ref_state},
                sys.argv[1])
