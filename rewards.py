@@ -211,18 +211,12 @@ def module_from_path(source):
                          else f"reward function file {source!r} does not exist")
     stem = os.path.basename(os.path.normpath(source)).removesuffix(".py")
     name = f"rloo_reward_{next(loaded_modules)}_{stem}"
-    module_spec = importlib.util.spec_from_file_location(
-        name, entry, submodule_search_locations=[source] if package else None)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module
     try:
-        module_spec.loader.exec_module(module)
+        return tools.exec_module_at(name, entry, source if package else None)
     except BaseException as e:  # noqa: BLE001 (a syntax error, a failing import, sys.exit)
-        del sys.modules[name]
         what = "package" if package else "file"
         message = f"cannot load reward function {what} {source!r}: {user_error(e)}"
         raise ValueError(message) from None
-    return module
 
 
 def reward_model(path, prepare_model, device):

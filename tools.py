@@ -85,16 +85,26 @@ def import_file(source, what="tool file"):
     file does not exist or raises while it is imported (environments.py's files too)."""
     if not os.path.isfile(source):
         fail(f"{what} {source!r} does not exist")
-    # a name of its own, registered: dataclasses look their module up in sys.modules
     name = f"rloo_{what.split()[0]}_{next(imported_files)}_{os.path.basename(source)[:-3]}"
-    module_spec = importlib.util.spec_from_file_location(name, source)
+    try:
+        return exec_module_at(name, source)
+    except BaseException as e:  # noqa: BLE001 (a syntax error, a failing import, sys.exit)
+        fail(f"cannot load {what} {source}: {import_error(e, source)}")
+
+
+def exec_module_at(name, entry, package_dir=None):
+    """The module of the file `entry` under `name`, registered in sys.modules (dataclasses look
+    their module up there; a failed import is taken out again). package_dir: entry is that
+    package's __init__.py, so its relative imports work."""
+    module_spec = importlib.util.spec_from_file_location(
+        name, entry, submodule_search_locations=[package_dir] if package_dir else None)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module
     try:
         module_spec.loader.exec_module(module)
-    except BaseException as e:  # noqa: BLE001 (a syntax error, a failing import, sys.exit)
+    except BaseException:
         del sys.modules[name]
-        fail(f"cannot load {what} {source}: {import_error(e, source)}")
+        raise
     return module
 
 
