@@ -5,6 +5,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
 from rloo import token_logps_and_entropy
@@ -190,4 +191,9 @@ def batch_logps(model, batch, cfg):
                                           pad_to=cfg.pad_to_multiple_of)
         logps[mb, :T] = mb_logps
     model.train(was_training)
+    # no backward follows to reshard the FSDP2 root, which keeps its weights after forward for one:
+    # gathered, they stayed so into the checkpoint (a LoRA modules_to_save head lost its key)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
     return logps

@@ -109,6 +109,14 @@ def test_a_frozen_model_holds_no_gathered_parameter_between_forwards(process_gro
     with torch.no_grad():
         ref(input_ids=IDS)
     assert all(isinstance(p, DTensor) for p in ref.parameters())
+    # nor does the policy after a no-grad pass (the KL's old log-probs, LoRA's adapter-off reference): its root
+    # stayed gathered into the next training step and the checkpoint (a modules_to_save head lost its key)
+    model, tokenizer, _ = data.embedded_task(seed=0)
+    cfg = cfg_for(bf16=True, max_completion_length=4)
+    batch = rollout.generate(model, tokenizer, {"prompt": ["12="]}, cfg, torch.device("cpu"), seed=0)
+    policy = models.prepare_model(model, cfg, trainable=True)
+    forward.batch_logps(policy, batch, cfg)
+    assert all(isinstance(p, DTensor) for p in policy.parameters())
 
 
 def test_qlora_at_world_size_two_is_one_line():
