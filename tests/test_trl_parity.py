@@ -90,20 +90,26 @@ def perturbed(model, scale, seed=1):
 
 def patch_clipping(monkeypatch, inject=None):
     """Record the gradients that reach clip_grad_norm_ (before clipping) on both sides: ours calls
-    torch.nn.utils.clip_grad_norm_, the HF Trainer calls it through accelerator.clip_grad_norm_. With `inject`
-    (a list of tensors in parameter order), overwrite the gradients with those first."""
-    seen = []
-    original = torch.nn.utils.clip_grad_norm_
+    torch.nn.utils.clip_grad_norm_, the HF Trainer calls it through accelerator.clip_grad_norm_ (accelerate >= 1.16:
+    through its own _clip_grad_norm_dtensor_aware). With `inject` (a list of tensors in parameter order), overwrite
+    the gradients with those first."""
+    import accelerate
 
-    def recording(parameters, *args, **kwargs):
+    seen = []
+
+    def record(parameters):
         parameters = list(parameters)
         seen.append([p.grad.detach().clone() for p in parameters])
         if inject is not None:
             for p, g in zip(parameters, inject, strict=True):
                 p.grad.copy_(g)
-        return original(parameters, *args, **kwargs)
+        return parameters
 
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", recording)
+    original, aware = torch.nn.utils.clip_grad_norm_, getattr(accelerate.Accelerator, "_clip_grad_norm_dtensor_aware", None)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda params, *a, **k: original(record(params), *a, **k))
+    if aware is not None:
+        monkeypatch.setattr(accelerate.Accelerator, "_clip_grad_norm_dtensor_aware",
+                            lambda self, params, *a, **k: aware(self, record(params), *a, **k))
     return seen
 
 
