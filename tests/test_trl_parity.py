@@ -105,7 +105,8 @@ def patch_clipping(monkeypatch, inject=None):
                 p.grad.copy_(g)
         return parameters
 
-    original, aware = torch.nn.utils.clip_grad_norm_, getattr(accelerate.Accelerator, "_clip_grad_norm_dtensor_aware", None)
+    original = torch.nn.utils.clip_grad_norm_
+    aware = getattr(accelerate.Accelerator, "_clip_grad_norm_dtensor_aware", None)
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda params, *a, **k: original(record(params), *a, **k))
     if aware is not None:
         monkeypatch.setattr(accelerate.Accelerator, "_clip_grad_norm_dtensor_aware",
