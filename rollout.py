@@ -120,7 +120,7 @@ def generate(model, tokenizer, rows, cfg, device, processor=None, seed=None, dec
     was_training = model.training
     model.eval()
     try:
-        with unsharded(model):
+        with unsharded(model, plain=images is None):
             if images is None:
                 completion_ids, sampler_logps = (decoder or decode_in_chunks)(
                     model, prompt_ids, prompt_mask, cfg, eos_ids, pad_id, seed)
@@ -165,10 +165,12 @@ def completion_masks(completion_ids, eos_ids, pad_id):
 
 
 @contextmanager
-def unsharded(model):
+def unsharded(model, plain=True):
     """FSDP2: all-gather the weights once for the whole generation, not once per token; reshard
     after. No collective runs after the first forward, so ranks may stop at different lengths (no
-    `synced_gpus`). Plain modules pass through untouched."""
+    `synced_gpus`). plain: the units run as plain modules meanwhile (our decode loop; HF generate
+    for vision-language models keeps FSDP2's hooks, which also cast the pixel inputs). Plain
+    modules pass through untouched."""
     if not isinstance(model, FSDPModule):
         yield
         return
@@ -177,7 +179,7 @@ def unsharded(model):
     for module in settings:
         module.unshard()
     try:
-        with without_fsdp_hooks(settings):
+        with without_fsdp_hooks(settings if plain else []):
             yield
     finally:
         for module, reshard in settings.items():
