@@ -88,13 +88,11 @@ def perturbed(model, scale, seed=1):
     return model
 
 
-def patch_clipping(monkeypatch, inject=None):
+def patch_clipping(monkeypatch, inject=None, accelerator=None):
     """Record the gradients that reach clip_grad_norm_ (before clipping) on both sides: ours calls
     torch.nn.utils.clip_grad_norm_, the HF Trainer calls it through accelerator.clip_grad_norm_ (accelerate >= 1.16:
     through its own _clip_grad_norm_dtensor_aware). With `inject` (a list of tensors in parameter order), overwrite
-    the gradients with those first."""
-    import accelerate
-
+    the gradients with those first. accelerator: the Trainer's, whose own clipping is patched too."""
     seen = []
 
     def record(parameters):
@@ -106,10 +104,10 @@ def patch_clipping(monkeypatch, inject=None):
         return parameters
 
     original = torch.nn.utils.clip_grad_norm_
-    aware = getattr(accelerate.Accelerator, "_clip_grad_norm_dtensor_aware", None)
+    aware = getattr(type(accelerator), "_clip_grad_norm_dtensor_aware", None)
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda params, *a, **k: original(record(params), *a, **k))
     if aware is not None:
-        monkeypatch.setattr(accelerate.Accelerator, "_clip_grad_norm_dtensor_aware",
+        monkeypatch.setattr(type(accelerator), "_clip_grad_norm_dtensor_aware",
                             lambda self, params, *a, **k: aware(self, record(params), *a, **k))
     return seen
 
@@ -188,7 +186,7 @@ def run_trl(policy, tokenizer, completions, opts, tmp_path, monkeypatch):
     monkeypatch.setattr(rloo_trainer, "gather", lambda t: gathered.append(t.clone()) or t)
     monkeypatch.setattr(rloo_trainer, "nanstd", lambda t, dim=None, **kw: (
         grouped.append(t.clone()) if dim == 1 else None) or nanstd(t, dim, **kw))
-    grads = patch_clipping(monkeypatch)
+    grads = patch_clipping(monkeypatch, accelerator=trainer.accelerator)
     result = trainer.train()
     monkeypatch.undo()
     names = [n for n, _ in trainer.model.named_parameters()]
