@@ -1,7 +1,9 @@
 """Shared fixtures: tiny models built locally (no hub), in Hugging Face format on disk."""
 
+import contextlib
 import importlib.util
 import string
+import subprocess
 
 import pytest
 import torch
@@ -185,3 +187,16 @@ def smollm2_dir(tmp_path_factory):
     from smollm2 import build_smollm2
 
     return build_smollm2(tmp_path_factory.mktemp("smollm2"))
+
+
+@contextlib.contextmanager
+def read_only_mount(path, reason="cannot mount a read-only tmpfs here (needs root)"):
+    """path as a read-only tmpfs for the block (the test is skipped where mounting needs root)."""
+    path.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)],
+                      capture_output=True).returncode != 0:
+        pytest.skip(reason)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)])

@@ -20,6 +20,7 @@ import checkpoint
 import data
 import rewards
 import train
+from conftest import read_only_mount
 from test_train import FAST, read_metrics, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -110,15 +111,8 @@ def test_output_dir_that_is_a_file_or_read_only_fails_at_startup(tmp_path):
     (tmp_path / "a_file").write_text("x")
     assert "--output_dir" in startup_error(["--output_dir", str(tmp_path / "a_file")]) and "is a file" in \
         startup_error(["--output_dir", str(tmp_path / "a_file")])
-    mount = tmp_path / "ro"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a read-only tmpfs here (needs root); the file case ran")
-    try:
+    with read_only_mount(tmp_path / "ro", "cannot mount a read-only tmpfs here (needs root); the file case ran") as mount:
         assert "is not writable" in startup_error(["--output_dir", str(mount / "run")])
-    finally:
-        subprocess.run(["umount", str(mount)])
 
 
 # ------------------------------------------------------------------------------------------------ dataset rows

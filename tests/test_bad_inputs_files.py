@@ -20,7 +20,7 @@ import checkpoint
 import models
 import rewards
 import train
-from conftest import build_chat_model
+from conftest import build_chat_model, read_only_mount
 
 
 @pytest.fixture(scope="module")
@@ -282,16 +282,9 @@ def test_a_path_the_run_cannot_write_is_one_line_before_anything_loads(tmp_path,
 
 
 def test_a_read_only_vllm_sync_dir_is_one_line(tmp_path):
-    mount = tmp_path / "ro"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a read-only tmpfs here (needs root)")
-    try:
+    with read_only_mount(tmp_path / "ro") as mount:
         error = startup_error(["--output_dir", str(tmp_path / "run"), "--vllm_sync_dir", str(mount / "w")])
         assert error.startswith("error: --vllm_sync_dir ") and "is not writable" in error, error
-    finally:
-        subprocess.run(["umount", str(mount)])
 
 
 # ------------------------------------------------------------------------------------------------ the output_dir lock
