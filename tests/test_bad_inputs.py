@@ -111,7 +111,8 @@ def test_output_dir_that_is_a_file_or_read_only_fails_at_startup(tmp_path):
     (tmp_path / "a_file").write_text("x")
     assert "--output_dir" in startup_error(["--output_dir", str(tmp_path / "a_file")]) and "is a file" in \
         startup_error(["--output_dir", str(tmp_path / "a_file")])
-    with read_only_mount(tmp_path / "ro", "cannot mount a read-only tmpfs here (needs root); the file case ran") as mount:
+    skipped = "cannot mount a read-only tmpfs here (needs root); the file case ran"
+    with read_only_mount(tmp_path / "ro", skipped) as mount:
         assert "is not writable" in startup_error(["--output_dir", str(mount / "run")])
 
 
