@@ -191,9 +191,14 @@ def batch_logps(model, batch, cfg):
                                           pad_to=cfg.pad_to_multiple_of)
         logps[mb, :T] = mb_logps
     model.train(was_training)
-    # no backward follows to reshard the FSDP2 root, which keeps its weights after forward for one:
-    # gathered, they stayed so into the checkpoint (a LoRA modules_to_save head lost its key)
+    released(model)
+    return logps
+
+
+def released(model):
+    """After a no-grad pass: FSDP2 keeps the root's weights gathered after forward for a backward,
+    and none follows; gathered, they stayed so into the checkpoint (a LoRA modules_to_save head
+    lost its key)."""
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
-    return logps
