@@ -63,6 +63,7 @@ def evaluate_set(cfg, generator, dataset, rewards, model, step):
             mbs = forward.micro_batches(len(advantages), cfg.per_device_train_batch_size)
             aux = sum(forward.forward_logps(model, batch, mb, cfg.temperature, router_aux=True)[3]
                       for mb in mbs) / len(mbs)
+            forward.released(model)
         chunks.append({"rewards_per_func": rewards_per_func.T,
                        "lengths": batch.model_tokens().sum(-1).float(),
                        "truncated": batch.truncated.float(), "valid": valid,
