@@ -138,14 +138,20 @@ class ChunkedHead(torch.autograd.Function):
     def backward(ctx, grad_out):
         hidden, weight, targets = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        # a frozen head (LoRA) gets no [V, H] gradient at all; a trained one a single fp32 sum
+        trained = ctx.needs_input_grad[1]
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if trained else None
         for rows in micro_batches(len(hidden), ctx.tokens):
+            logits = F.linear(hidden[rows], weight).requires_grad_()  # [n, V], no graph behind
             with torch.enable_grad():
-                h, w = hidden[rows].detach().requires_grad_(), weight.detach().requires_grad_()
-                out = ctx.score(F.linear(h, w), targets[rows])
-                grad_hidden[rows], chunk_grad = torch.autograd.grad(out, (h, w), grad_out[rows])
-            grad_weight += chunk_grad
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+                out = ctx.score(logits, targets[rows])
+                (grad_logits,) = torch.autograd.grad(out, logits, grad_out[rows])
+            grad_hidden[rows] = grad_logits @ weight  # d/dh of h W^T
+            if trained:  # d/dW of h W^T, summed into fp32 without a [V, H] temporary per chunk
+                grad_weight.addmm_(grad_logits.T.float(), hidden[rows].float())
+        grad_weight = grad_weight.to(weight.dtype) if trained else None
+        return grad_hidden, grad_weight, None, None, None
 
 
 def base_of(model):

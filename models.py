@@ -14,11 +14,12 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard,
                                     register_fsdp_forward_method)
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText,
                           AutoModelForSequenceClassification, AutoProcessor, AutoTokenizer,
-                          BitsAndBytesConfig, PreTrainedModel)
+                          BitsAndBytesConfig, GenerationConfig, PreTrainedModel)
 
 import distributed
 from config import fail
@@ -38,7 +39,10 @@ def load_pretrained(cfg, vision=False):
         init_kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4",
             bnb_4bit_compute_dtype=torch.bfloat16 if cfg.bf16 else torch.float32)
-    model, tokenizer = load_model(cfg.model, vision, init_kwargs, cfg.trust_remote_code)
+    # under torchrun only rank 0 reads the weights; the others build the model on the meta device
+    # and receive their shards from rank 0 (prepare_model), so no other rank holds a full copy
+    on_meta = distributed.rank() > 0 and sharded(cfg)
+    model, tokenizer = load_model(cfg.model, vision, init_kwargs, cfg.trust_remote_code, on_meta)
     if cfg.chat_template_path:  # TRL's: a Jinja file, or a tokenizer directory with a template
         tokenizer.chat_template = chat_template_from(cfg.chat_template_path)
     return model, tokenizer
@@ -58,10 +62,10 @@ def chat_template_from(path):
     return template
 
 
-def load_model(name, vision=False, init_kwargs=None, trust_remote_code=False):
+def load_model(name, vision=False, init_kwargs=None, trust_remote_code=False, on_meta=False):
     """Causal LM and tokenizer from a local directory or the Hub, fp32 master weights unless
     init_kwargs sets the dtype; vision=True (a dataset with images): an image-text-to-text model and
-    its processor. A clear error when it cannot be found, is text-only or needs
+    its processor; on_meta: the model's structure without its weights (meta tensors). A clear error when it cannot be found, is text-only or needs
     --trust_remote_code; a directory's files and the token ids are checked first (one line naming
     the directory and the file, not a traceback from deep inside transformers or generation)."""
     init_kwargs = init_kwargs or {}
@@ -71,13 +75,12 @@ def load_model(name, vision=False, init_kwargs=None, trust_remote_code=False):
     problem = model_dir_problem(name, ("config", "tokenizer") + ("weights",) * weights)
     if problem:
         fail(f"{where} {name!r}: {problem}")
+    auto_class = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     try:
-        if vision:
-            model, problem = load_weights(AutoModelForImageTextToText, name, **kwargs)
-            tokenizer = AutoProcessor.from_pretrained(name, trust_remote_code=trust_remote_code)
-        else:
-            model, problem = load_weights(AutoModelForCausalLM, name, **kwargs)
-            tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+        load = structure_only if on_meta else load_weights
+        model, problem = load(auto_class, name, **kwargs)
+        auto_tokenizer = AutoProcessor if vision else AutoTokenizer
+        tokenizer = auto_tokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError, ImportError, RuntimeError) as e:
         if vision and "Unrecognized configuration class" in str(e):
             fail(f"the dataset has images but {name!r} is a text-only model; use a "
@@ -101,6 +104,22 @@ def load_model(name, vision=False, init_kwargs=None, trust_remote_code=False):
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
     return model, tokenizer
+
+
+def structure_only(auto_class, name, **kwargs):
+    """The model from_pretrained would build, on the meta device: its config (and generation
+    config) are read, its weights are not. -> (model, None)"""
+    config_keys = ("trust_remote_code", "gguf_file", "revision", "subfolder")
+    config = AutoConfig.from_pretrained(name, **{k: kwargs[k] for k in config_keys if k in kwargs})
+    build_keys = ("dtype", "attn_implementation", "trust_remote_code")
+    with torch.device("meta"):
+        model = auto_class.from_config(config, **{k: kwargs[k] for k in build_keys if k in kwargs})
+    if os.path.isfile(os.path.join(name, "generation_config.json")) or not os.path.isdir(name):
+        try:  # what from_pretrained reads too (EOS and pad ids, sampling defaults)
+            model.generation_config = GenerationConfig.from_pretrained(name)
+        except OSError:
+            pass
+    return model, None
 
 
 def load_reward_model(path):
@@ -179,6 +198,8 @@ def prepare_model(model, cfg, trainable, device=torch.device("cpu")):
                 param.data = param.data.to(torch.bfloat16)
     if not sharded(cfg):
         return model.to(device)
+    # rank 0's weights (the others' are meta tensors: load_pretrained), in the dtype kept
+    full_state = model.state_dict() if distributed.rank() == 0 else {}
     # Shard each decoder layer, then the root (embeddings, head, tied weights). Params and compute
     # in bf16, gradient reduction in fp32 (README 'Checkpoints, resume, multi-node': memory).
     options = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cfg.bf16 else None,
@@ -203,7 +224,24 @@ def prepare_model(model, cfg, trainable, device=torch.device("cpu")):
     # registered before the root's own first forward, which must come first
     if trainable:
         register_fsdp_forward_method(model, "generate")
+    if distributed.world_size() > 1:
+        fill_from_rank0(model, full_state, device, cfg.cpu_offload)
     return model
+
+
+def fill_from_rank0(model, full_state, device, cpu_offload=False):
+    """Every rank's shards from rank 0's full state dict, one tensor at a time (torch's
+    broadcast_from_rank0), and the buffers a state dict leaves out (rotary inv_freq). A rank with
+    meta tensors gets storage first: its host never holds more than its shard and one tensor."""
+    if any(p.is_meta for p in model.parameters()):  # offloaded shards live on the host
+        model.to_empty(device=torch.device("cpu") if cpu_offload else device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full_state, options=options)
+    for module in model.modules():
+        for key, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[key] = buffer.to(device)
+                dist.broadcast(module._buffers[key], src=0)
 
 
 def lm_head_in_fp32(model):

@@ -4,6 +4,10 @@ reading of the GPU path found has a counter here that fails when the defect is p
 
 import collections
 import contextlib
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -155,6 +159,37 @@ def test_the_head_chunk_is_sized_by_the_device_and_its_gradient_sums_in_fp32(mon
     assert errors[1] <= 1.2 * errors[0], errors
 
 
+
+@pytest.mark.parametrize("trained", [True, False])
+def test_the_chunked_heads_backward_allocates_one_vocab_sized_gradient_or_none_when_frozen(trained, monkeypatch):
+    """The head's backward over 8 chunks: a trained head sums its [V, H] gradient into one fp32 buffer (a [V, H]
+    temporary per chunk was 8 more); a frozen head (LoRA's base) allocates none (it computed and dropped 9: 216 MB a
+    step at SmolLM2's vocabulary). Counted as ops that return a new [V, H] tensor."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    V, H, b, T = 512, 16, 2, 32
+    monkeypatch.setattr(forward, "HEAD_CHUNK_ELEMENTS", 8 * V)  # 8 tokens a chunk: 8 chunks
+    head = torch.nn.Linear(H, V, bias=False).requires_grad_(trained)
+    logps = forward.LogpsHead(torch.randint(0, V, (b, T)), 1.0)
+    logps.lm_head = head
+    hidden = torch.randn(b, T + 1, H, requires_grad=True)
+    out = logps(hidden)[..., 0].sum()
+
+    class VocabSized(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            fresh = not func.is_view and not func.__name__.split(".")[0].endswith("_")  # new storage
+            if fresh and isinstance(result, torch.Tensor) and result.shape == (V, H):
+                VocabSized.count += 1
+            return result
+
+    with VocabSized():
+        out.backward()
+    assert VocabSized.count == int(trained)
+    assert hidden.grad is not None and (head.weight.grad is not None) == trained
+
+
 def test_an_fp32_head_is_gathered_once_per_micro_batch_whatever_the_chunk_count(process_group, monkeypatch):
     """--cast_lm_head_to_fp32 makes the head an FSDP2 unit of its own: LogpsHead calls it once per micro-batch, so it
     is gathered once (kept to backward, as the root), not in forward and again in backward for every chunk (64
@@ -217,3 +252,29 @@ def test_compile_decode_on_an_fsdp2_model_is_one_graph_over_two_generations(proc
     assert counter.frame_count == 1, counter.frame_count
     assert len(caches) == 2 and caches[0] is caches[1]
     assert all(isinstance(p, DTensor) for p in model.parameters())  # resharded after each
+
+
+def test_under_torchrun_only_rank_0_holds_the_full_weights_on_the_host_while_loading(tmp_path):
+    """Rank 0 reads the directory; rank 1 builds the model on the meta device and receives its shard from rank 0
+    (models.fill_from_rank0). Rank 1's resident set grows by at most its half and one tensor; every parameter and
+    buffer (rotary inv_freq, which no state dict holds) equals the directory's on both ranks, and the tied head stays
+    tied. Every rank reading the full fp32 model (put back) grows rank 1 by the whole model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1536, num_hidden_layers=24,
+                         num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True,
+                         eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    model_dir = tmp_path / "model"
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(model_dir)
+    data.embedded_task(seed=0)[1].save_pretrained(model_dir)  # any tokenizer whose ids fit 512
+    full_mib = sum(p.numel() for p in LlamaForCausalLM(config).parameters()) * 4 / 2**20
+    worker = os.path.join(os.path.dirname(__file__), "load_worker.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", worker,
+           str(tmp_path / "out"), "--model", str(model_dir)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in range(2)]
+    assert [r["unequal"] for r in ranks] == [[], []]
+    assert all(r["tied"] for r in ranks)
+    assert ranks[0]["grown_mib"] > 0.9 * full_mib  # the measure sees a full copy where there is one
+    assert ranks[1]["grown_mib"] < 0.75 * full_mib, (ranks, full_mib)
