@@ -135,11 +135,11 @@ def test_qlora_at_world_size_two_is_one_line():
 # ------------------------------------------------------------------------------------------- the chunked head
 
 def test_the_head_chunk_is_sized_by_the_device_and_its_gradient_sums_in_fp32(monkeypatch):
-    """At the bench geometry (64 rows, V = 151,936) an H200's budget holds at least 64 positions of every row per
+    """At the bench geometry (64 rows, V = 151,936) an H200's budget holds at least 16 positions of every row per
     chunk (a 64 MB budget gave 1: 257 chunks, each re-reading the head three times). Over 256 chunks the bf16 head
     gradient stays within 1.2x of the unchunked one's error against fp32 (summed in bf16 it was about 2x)."""
-    assert forward.head_chunk_tokens(151_936, "cuda", 141 * 2**30) >= 64 * 64
-    assert forward.head_chunk_tokens(151_936, "cpu") >= 64
+    assert forward.head_chunk_tokens(151_936, "cuda", 141 * 2**30) >= 64 * 16
+    assert forward.head_chunk_tokens(151_936, "cpu") >= 16
     torch.manual_seed(0)
     V, H, b, T = 2048, 64, 4, 256
     weight, hidden = torch.randn(V, H) * 0.5, torch.randn(b, T + 1, H)
@@ -278,3 +278,39 @@ def test_under_torchrun_only_rank_0_holds_the_full_weights_on_the_host_while_loa
     assert all(r["tied"] for r in ranks)
     assert ranks[0]["grown_mib"] > 0.9 * full_mib  # the measure sees a full copy where there is one
     assert ranks[1]["grown_mib"] < 0.75 * full_mib, (ranks, full_mib)
+
+
+def test_a_whole_step_grows_by_well_under_the_logits_from_8_to_512_completion_tokens(smollm2_dir, tmp_path):
+    """One LoRA step of train.py (generation, rewards, scoring, forward+backward, optimizer) with 2 completions of
+    exactly 512 tokens through a 49k vocabulary peaks at most 0.6x their fp32 logits (192 MiB) above the same step
+    with 8 tokens: no phase keeps a [b, T, V] tensor (the peaks are each phase's memory/<phase>). Measured: 81 MiB;
+    with the head's former 64 MB chunks a chunk's backward alone held five [n, V] arrays of that size (320 MB)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model_dir = tmp_path / "model"
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    peaks = {}
+    for tokens in (8, 512):
+        out = tmp_path / f"run{tokens}"
+        cmd = [sys.executable, os.path.join(os.path.dirname(os.path.dirname(__file__)), "train.py"),
+               "--model", str(model_dir), "--dataset", os.path.join(os.path.dirname(__file__), "data",
+                                                                     "addition.jsonl"),
+               "--reward_funcs", "last_number_reward", "--num_generations", "2", "--per_device_train_batch_size",
+               "2", "--max_completion_length", str(tokens), "--generation_kwargs", f'{{"min_tokens": {tokens}}}',
+               "--use_peft", "--max_steps", "1", "--logging_steps", "1", "--save_strategy", "no",
+               "--output_dir", str(out)]
+        # a fixed mmap threshold: glibc returns each freed tensor at once, so the resident set follows the tensors
+        # alive (its default keeps freed chunks of the head's size: +170 MiB of RSS at 512 tokens, no tensor)
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20)}
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        logged = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+        assert logged["completions/mean_length"] == tokens
+        peaks[tokens] = max(v for k, v in logged.items() if k.startswith("memory/"))
+    logits_mib = 2 * 512 * len(tokenizer) * 4 / 2**20
+    assert peaks[512] - peaks[8] < 0.6 * logits_mib, (peaks, logits_mib)
