@@ -65,9 +65,10 @@ def chat_template_from(path):
 def load_model(name, vision=False, init_kwargs=None, trust_remote_code=False, on_meta=False):
     """Causal LM and tokenizer from a local directory or the Hub, fp32 master weights unless
     init_kwargs sets the dtype; vision=True (a dataset with images): an image-text-to-text model and
-    its processor; on_meta: the model's structure without its weights (meta tensors). A clear error when it cannot be found, is text-only or needs
-    --trust_remote_code; a directory's files and the token ids are checked first (one line naming
-    the directory and the file, not a traceback from deep inside transformers or generation)."""
+    its processor; on_meta: the model's structure without its weights (meta tensors). A clear
+    error when it cannot be found, is text-only or needs --trust_remote_code; a directory's files
+    and the token ids are checked first (one line naming the directory and the file, not a
+    traceback from deep inside transformers or generation)."""
     init_kwargs = init_kwargs or {}
     kwargs = {"dtype": torch.float32, "trust_remote_code": trust_remote_code, **init_kwargs}
     where = "model directory" if os.path.isdir(name) else "model"
