@@ -7,6 +7,8 @@ memory.
                                                   # install trl elsewhere: not a dependency)
     python bench.py --scaling                     # step time vs completion length and model size
     python bench.py --multi_turn --config compute  # 4-turn generation, KV cache kept or not
+    python bench.py --long_tail --config compute  # the training phase on long-tailed lengths:
+                                                  # padded vs --padding_free (and a token budget)
     torchrun --standalone --nproc_per_node=2 bench.py --config compute
     python bench.py --config compute --use_vllm   # any other flag goes to train.py
     python bench.py --config smollm2 --use_peft   # LoRA (peft's default targets: q_proj, v_proj)
@@ -58,6 +60,7 @@ import rewards
 import rollout
 import train
 import vllm_rollout
+from batches import Rollout
 from config import EMBEDDED_PRESET
 
 # Qwen2.5-0.5B's shape (tied embeddings, grouped-query attention); its weights are random here
@@ -282,6 +285,9 @@ def main():
     parser.add_argument("--multi_turn", action="store_true",
                         help="generation over 4-turn trajectories, each trajectory's KV cache kept "
                         "from turn to turn or not")
+    parser.add_argument("--long_tail", action="store_true",
+                        help="the training phase alone on 64 completions of 8..512 tokens (mean "
+                        "~128): padded, --padding_free, and with --max_tokens_per_microbatch")
     parser.add_argument("--server_cores",
                         help="start a vLLM server pinned to these cores (taskset list, e.g. 1) and "
                         "generate with it; the trainer stays on --trainer_cores")
@@ -310,6 +316,8 @@ def main():
         return scaling(steps)
     if args.multi_turn:
         return multi_turn(c, steps)
+    if args.long_tail:
+        return long_tail(c, args.steps or 5)
     if args.config == "gpu" and args.variant is None:
         sys.exit(0 if gpu_suite(args, c, steps, extra) else 1)
     files = (args.model_dir, None, "task_reward") if args.model_dir else task_files(c)
@@ -609,6 +617,44 @@ def multi_turn(c, num_steps):
         print(f"{name:7s} {statistics.median(times[3:]):.3f} s per batch of {c['batch']} "
               f"(turns {batch.turn_stats['turns'].mean():.2f}, model tokens "
               f"{batch.model_tokens().sum(-1).float().mean():.1f} a trajectory)", flush=True)
+    shutil.rmtree(path)
+
+
+def long_tail(c, num_steps):
+    """policy_step (forward, backward, optimizer) of the config's model (random, fp32) on one
+    synthetic batch: 64 prompts of 16..32 tokens, completions of 8..512 (cubed uniform: mean ~128,
+    a few near 512), in micro-batches of 16; median s per step after one warm-up, real tokens/s,
+    the share of padding the padded forward computes. On the CPU only."""
+    from transformers import AutoModelForCausalLM
+
+    path = build_model(tempfile.mkdtemp(prefix="bench-model-"), c["model"] or TINY)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    B, L, T, g = 64, 32, 512, torch.Generator().manual_seed(0)
+    lengths = (8 + (T - 8) * torch.rand(B, generator=g) ** 3).long()  # [B]
+    prompt_mask = (torch.arange(L) >= L - torch.randint(16, L + 1, (B,), generator=g)[:, None])
+    batch = Rollout(rows={}, prompt_ids=torch.randint(12, 256, (B, L), generator=g),
+                    prompt_mask=prompt_mask.long(), completion_ids=torch.randint(12, 256, (B, T)),
+                    completion_mask=(torch.arange(T) < lengths[:, None]).long(),
+                    truncated=torch.zeros(B, dtype=torch.bool), completion_lists=[], texts=[])
+    scores = train.Scores(None, None, batch.completion_mask.float(), torch.randn(B, generator=g))
+    real = int(prompt_mask.sum() + lengths.sum())
+    padded = sum(16 * (int(prompt_mask[i:i + 16].sum(-1).max()) + int(lengths[i:i + 16].max()))
+                 for i in range(0, B, 16))
+    print(f"{B} completions, mean length {lengths.float().mean():.0f}, max {int(lengths.max())}; "
+          f"{real} real tokens, padding {1 - real / padded:.0%} of the padded forward's")
+    for flags in ([], ["--padding_free", "true"],
+                  ["--padding_free", "true", "--max_tokens_per_microbatch", "4096"]):
+        cfg = train.parse_config(["--per_device_train_batch_size", "16", "--bf16", "false"] + flags)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+        times = []
+        for _ in range(num_steps + 1):
+            start = time.perf_counter()
+            train.policy_step(cfg, model, optimizer, scheduler, batch, scores)
+            times.append(time.perf_counter() - start)
+        median = statistics.median(times[1:])
+        print(f"{' '.join(flags) or 'padded':58s} {median:8.3f} s/step {real / median:9.0f} "
+              "tokens/s", flush=True)
     shutil.rmtree(path)
 
 

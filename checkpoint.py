@@ -30,12 +30,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_model_state_dict,
                                                      set_state_dict)
+from tqdm import tqdm
 
 import distributed
 import lora
 import rewards as rewards_lib
 from config import fail
-from data import embedded_task
+from data import embedded_task, first_line
 from models import load_model
 
 # DCP in a single process (no process group) is intended here; its warning says so on every save.
@@ -303,17 +304,23 @@ def resume_or_start(cfg, model, optimizer, scheduler, ref_model=None):
 REWARD_GRACE = 10.0
 
 
-def watch_signals(device):
+def watch_signals(device, output_dir):
     """SIGTERM (SLURM's warning before a kill) and SIGINT (Ctrl-C) set a flag: the loop checkpoints
     and exits at the end of the step. Reward code (which may never return) gets REWARD_GRACE
-    seconds, then is stopped; a second Ctrl-C exits at once."""
+    seconds, then is stopped; a second Ctrl-C exits at once. A lost peer process (torchrun's
+    SIGTERM after it died, or the collective that failed) ends the run with one line instead
+    (stop_for_lost_peer): no step can end, nor a checkpoint be saved, without it."""
     flag, main_thread = torch.zeros(1, device=device), threading.main_thread().ident
+    uncaught = sys.excepthook
 
     def stop_reward_if_still_running():
         if rewards_lib.calling[0]:
             signal.pthread_kill(main_thread, signal.SIGTERM)
 
     def handle(signum, frame):
+        lost = distributed.lost_peers(wait=0)
+        if lost:
+            stop_for_lost_peer(output_dir, lost)
         name, again = signal.Signals(signum).name, bool(flag.item())
         if signum == signal.SIGINT and again:
             print("\nrloo: second Ctrl-C: exiting now, without a checkpoint", file=sys.stderr)
@@ -329,9 +336,39 @@ def watch_signals(device):
             timer.daemon = True  # it must not hold the exit
             timer.start()
 
+    def report(kind, error, traceback):  # an error that reached the top: a lost peer's, or ours
+        in_group = len(distributed.PEERS) > 1 and issubclass(kind, Exception)
+        lost = distributed.lost_peers() if in_group else []
+        if lost or (in_group and distributed.collective_failed(error)):
+            stop_for_lost_peer(output_dir, lost, error)
+        uncaught(kind, error, traceback)
+
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, handle)
+    sys.excepthook = report
     return flag
+
+
+def stop_for_lost_peer(output_dir, lost, error=None):
+    """One line from the lowest surviving rank, naming the lost peer(s) (ranks; none when the peer
+    is on another host) and the checkpoint to resume from; then exit at once, as every collective,
+    and the interpreter's shutdown, would wait on the dead peer."""
+    for signum in (signal.SIGTERM, signal.SIGINT):  # torchrun's SIGTERM must not add a line
+        signal.signal(signum, signal.SIG_IGN)
+    if distributed.rank() == min(set(range(distributed.world_size())) - set(lost)):
+        for bar in list(tqdm._instances):
+            bar.clear()
+        ranks = ", ".join(map(str, lost))
+        who = (f"lost peer: rank {ranks}'s process has ended (killed, out of memory, or stopped by "
+               "its own error)" if lost else f"lost peer: a collective failed "
+               f"({first_line(error)}), so a process on another host has stopped or hangs")
+        whole = [path for path in checkpoint_dirs(output_dir) if damage(path) is None]
+        where = (f"the last intact checkpoint is {whole[-1]}: resume with "
+                 "--resume_from_checkpoint latest" if whole else "no checkpoint was saved")
+        print(f"error: {who}, and the run cannot go on without it; {where}", file=sys.stderr,
+              flush=True)
+    sys.stdout.flush()
+    os._exit(1)
 
 
 def stop_requested(flag):

@@ -182,6 +182,30 @@ def check_chat_template(prompts, tokenizer, name, where):
              "give plain string prompts")
 
 
+def check_roles(prompts, tokenizer, cfg, where):
+    """Every message's role is one the chat template renders (prompting.allowed_roles), and the
+    template keeps every message's content: one probe render per sequence of roles."""
+    allowed, probed = prompting.allowed_roles(tokenizer), set()
+    for i, prompt in enumerate(prompts):
+        if not prompting.is_conversational(prompt):
+            continue
+        roles = tuple(message["role"] for message in prompt)
+        unknown = next((role for role in roles if role not in allowed), None)
+        if unknown is not None:
+            fail(f"{where} row {i}: a message has the role {unknown!r}, which chat templates do "
+                 f"not know (rendered verbatim or dropped); roles: {', '.join(allowed)}")
+        if roles in probed:
+            continue
+        probed.add(roles)
+        dropped = prompting.dropped_content(tokenizer, prompt, cfg.chat_template_kwargs)
+        if dropped is not None:
+            j, text = dropped
+            model = cfg.model or "the model"
+            fail(f"{where} row {i}: the chat template of {model!r} leaves out message {j} "
+                 f"({prompt[j]['role']}: {text[:60]!r}) when it renders the prompt, so the model "
+                 "would never see it: change that message's role or the template")
+
+
 def prompt_lengths(prompts, tokenizer, cfg, where):
     """Token counts after the chat template; a conversation the template cannot render is one line
     naming its row."""
@@ -299,12 +323,14 @@ def check_data(dataset, tokenizer, processor, model, cfg, where="dataset"):
     """Once the tokenizer is known: chat template and prompt lengths of every row, and enough rows
     for one step (a stream's rows are checked as they are drawn)."""
     if not hasattr(dataset, "__len__"):  # a stream: its first row now, every row when it is drawn
-        check_chat_template([next(iter(dataset))["prompt"]], processor or tokenizer, cfg.model,
-                            "stream")
+        first = [next(iter(dataset))["prompt"]]
+        check_chat_template(first, processor or tokenizer, cfg.model, "stream")
+        check_roles(first, processor or tokenizer, cfg, "stream")
         return
     check_chat_template(dataset["prompt"], processor or tokenizer, cfg.model, where)
     if processor is None:  # image tokens are only counted once the processor has the images
         check_prompt_lengths(dataset["prompt"], tokenizer, model, cfg, where)
+    check_roles(dataset["prompt"], processor or tokenizer, cfg, where)
     needed = prompts_per_rank(cfg) * distributed.world_size()
     if where == "dataset" and len(dataset) < needed:
         fail(f"dataset has {len(dataset)} rows but one step needs {needed} prompts; "

@@ -1,6 +1,6 @@
 """torch.distributed without clutter: start-up, this process's rank and the world size, and the two
 collectives the trainer needs for its metrics (a gather of per-completion columns, a sum of per-step
-totals).
+totals, with their maxima and minima).
 
 The same code runs as one process (`python train.py`: a process group of one, so that bf16 runs
 FSDP2's mixed precision as N processes do) and as N (`torchrun`). It holds no model code (sharding
@@ -9,6 +9,7 @@ is in models.prepare_model) and no checkpoint code (checkpoint.py).
 
 import datetime
 import os
+import socket
 import sys
 import time
 
@@ -31,12 +32,93 @@ def setup_distributed(timeout=1800.0):
         warn_if_gpus_are_hidden()
     if dist.is_initialized():  # a caller in this process set it up (tests, bench.py)
         return device
+    if device.type == "cpu":
+        CPU_THREADS[:] = [set_cpu_threads()]
     device_id = device if device.type == "cuda" else None
     options = dict(timeout=datetime.timedelta(seconds=timeout), device_id=device_id)
     if "RANK" not in os.environ:
         options.update(store=dist.HashStore(), rank=0, world_size=1)
     dist.init_process_group(process_group_backend(device), **options)
+    PEERS[:] = gather_objects((socket.gethostname(), os.getpid()))
     return device
+
+
+# (host, pid) of every rank, by rank, gathered at start-up: how a survivor names a lost peer
+PEERS = []
+
+
+def lost_peers(wait=2.0):
+    """Ranks whose process has ended (killed, out of memory, stopped by an error), as far as this
+    host can see: a peer on another host cannot be looked at. A collective fails as soon as the
+    peer's sockets close, a moment before its process is gone: wait up to `wait` seconds."""
+    host, deadline = socket.gethostname(), time.monotonic() + wait
+    while True:
+        lost = [r for r, (h, pid) in enumerate(PEERS) if h == host and process_ended(pid)]
+        if lost or time.monotonic() >= deadline:
+            return lost
+        time.sleep(0.05)
+
+
+def process_ended(pid):
+    """Gone, or a zombie its launcher (torchrun) has not reaped yet."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def collective_failed(error):
+    """Whether an exception is a collective's that lost its peer (gloo's sockets, NCCL's
+    watchdog), rather than a bug of ours."""
+    return isinstance(error, dist.DistError) or "gloo/transport" in str(error)
+
+
+# the start-up line's note on the CPU thread count: what set_cpu_threads chose and why
+CPU_THREADS = []
+
+
+def set_cpu_threads():
+    """torch's intra-op threads on the CPU: one per core that other processes leave idle (sampled
+    at start-up), or OMP_NUM_THREADS where set (torchrun sets 1). A thread on a core a neighbour
+    keeps busy holds up every parallel op: 100 steps of the embedded task beside one busy process
+    on 2 cores take ~29 s with 2 threads, ~17 s with 1; quiet, 2 threads are the faster. -> a note
+    for the start-up line"""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    env = os.environ.get("OMP_NUM_THREADS")
+    threads, reason = choose_cpu_threads(cores, None if env else busy_cores(), env)
+    torch.set_num_threads(threads)
+    return f"{threads} thread(s): {reason}"
+
+
+def choose_cpu_threads(cores, busy, env=None):
+    """The rule: OMP_NUM_THREADS if given, else the cores not kept busy by other processes (a
+    neighbour at under half a core leaves its core to us), at least 1. -> (threads, reason)"""
+    if env:
+        return int(env), f"OMP_NUM_THREADS={env}"
+    idle = max(0, min(cores, int(cores - busy + 0.5)))
+    return max(1, idle), f"{idle} of {cores} cores idle at start-up; OMP_NUM_THREADS overrides"
+
+
+def busy_cores(seconds=0.25):
+    """Cores' worth of CPU time other processes used over `seconds` (this one sleeps): Linux's
+    /proc/stat; 0 elsewhere."""
+    def ticks():
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        return sum(fields), fields[3] + fields[4]  # all, idle + iowait
+    try:
+        (total0, idle0), _, (total1, idle1) = ticks(), time.sleep(seconds), ticks()
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    cores = os.cpu_count() or 1
+    return cores * (1 - (idle1 - idle0) / max(1, total1 - total0))
 
 
 def device_for(rank_on_node, local_processes, gpu_count):
@@ -126,12 +208,29 @@ def gather_objects(obj):
 
 
 def reduce_sums(sums):
-    """{name: scalar tensor} summed over ranks in one all-reduce -> {name: float}."""
-    names = list(sums)
+    """{name: scalar tensor} summed over ranks in one all-reduce -> {name: float}; names that start
+    with "max/" or "min/" are this rank's extremes instead, taken over ranks by reduce_extremes."""
+    extremes = {k: v for k, v in sums.items() if k.startswith(("max/", "min/"))}
+    names = [name for name in sums if name not in extremes]
     stacked = torch.stack([sums[name] for name in names])
     if world_size() > 1:
         dist.all_reduce(stacked)
-    return dict(zip(names, stacked.tolist()))
+    return {**dict(zip(names, stacked.tolist())), **reduce_extremes(extremes)}
+
+
+def reduce_extremes(extremes):
+    """{"max/..." or "min/...": scalar tensor} -> {name: float}, the largest or smallest over ranks
+    in one all-reduce (a minimum is minus the maximum of minus the values); none, no collective."""
+    if not extremes:
+        return {}
+    names = list(extremes)
+    stacked = torch.stack([extremes[name] for name in names]).float()
+    sign = torch.tensor([-1.0 if name.startswith("min/") else 1.0 for name in names],
+                        device=stacked.device)
+    stacked = stacked * sign
+    if world_size() > 1:
+        dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
+    return dict(zip(names, (stacked * sign).tolist()))
 
 
 def shutdown():
@@ -139,6 +238,7 @@ def shutdown():
     model)."""
     if dist.is_initialized():
         barrier()
+        PEERS.clear()  # they may now end: none of them is lost
         dist.destroy_process_group()
         wait_for_gloo_workers()
 

@@ -1,6 +1,7 @@
 """The training forward: log pi_T and entropy of the sampled tokens, as the loss and the KL see them
 (paper §3), through a chunked head that never holds [b, T, V] logits. Its numbers must agree with
 the sampler's (rollout.py records log softmax(logits / T) of the same tokens)."""
+import warnings
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -8,6 +9,8 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
+import distributed
+import packing
 from rloo import token_logps_and_entropy
 
 
@@ -15,7 +18,47 @@ def micro_batches(batch_size, micro_size):
     return [slice(i, i + micro_size) for i in range(0, batch_size, micro_size)]
 
 
-def forward_logps(model, batch, rows, temperature, chunked=None, router_aux=False, pad_to=None):
+def training_micro_batches(batch, rows, micro_size, max_tokens=None):
+    """The micro-batches of the training forwards over batch[rows] (a slice): slices of
+    micro_size rows, or with max_tokens (--max_tokens_per_microbatch) index tensors of rows whose
+    tokens, prompt and completion, fit in it; every rank runs as many as the rank with the most
+    (FSDP2's collectives pair up across ranks, one set per micro-batch)."""
+    if max_tokens is None:
+        return [slice(s.start + rows.start, s.stop + rows.start)
+                for s in micro_batches(rows.stop - rows.start, micro_size)]
+    lengths = batch.prompt_mask[rows].sum(-1) + batch.completion_mask[rows].sum(-1)  # [n]
+    groups = first_fit_decreasing(lengths.tolist(), max_tokens)
+    most = {"max/groups": torch.tensor(float(len(groups)), device=lengths.device)}
+    groups = split_into(groups, int(distributed.reduce_extremes(most)["max/groups"]))
+    return [torch.tensor(sorted(group), device=lengths.device) + rows.start for group in groups]
+
+
+def first_fit_decreasing(lengths, budget):
+    """Indices of `lengths` in groups whose sums fit in budget (a longer one alone), longest
+    first, each into the first group it fits. -> [[index, ...], ...]"""
+    groups, loads = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        fits = [g for g, load in enumerate(loads) if load + lengths[i] <= budget]
+        if not fits:
+            groups.append([])
+            loads.append(0)
+        g = fits[0] if fits else len(groups) - 1
+        groups[g].append(i)
+        loads[g] += lengths[i]
+    return groups
+
+
+def split_into(groups, count):
+    """groups, the largest split until there are count (at most their number of indices)."""
+    groups = [list(group) for group in groups]
+    while len(groups) < count:
+        largest = max(groups, key=len)
+        groups.append([largest.pop()])  # the shortest of its sequences
+    return groups
+
+
+def forward_logps(model, batch, rows, temperature, chunked=None, router_aux=False, pad_to=None,
+                  padding_free=False):
     """Per-token log pi_T and entropy of the completion tokens of batch[rows] (a Rollout), padding
     trimmed to these rows. Position ids follow the left padding (as in generate); the head runs on
     completion positions only, in chunks through LogpsHead (chunked=False: the model's own head, for
@@ -23,7 +66,13 @@ def forward_logps(model, batch, rows, temperature, chunked=None, router_aux=Fals
     with multimodal rotary positions (Qwen2-VL's get_rope_index) derive the positions themselves.
     router_aux: also the MoE router's load-balancing loss (the model computes it from its router
     logits, padding excluded). pad_to: the sequence is padded on the right (masked) to a multiple
-    of it, which changes no log-prob. -> logps [b, T], entropy [b, T], T, aux loss or None"""
+    of it, which changes no log-prob. padding_free: the rows packed into one (packed_logps).
+    -> logps [b, T], entropy [b, T], T, aux loss or None"""
+    if padding_free and batch.pixel_inputs is None:
+        return packed_logps(model, batch, rows, temperature, chunked, router_aux)
+    if padding_free:
+        warnings.warn("--padding_free: vision-language rows (pixel inputs) cannot be packed; "
+                      "their forward runs padded")
     prompt_mask, completion_mask = batch.prompt_mask[rows], batch.completion_mask[rows]
     prompt_len, completion_len = int(prompt_mask.sum(-1).max()), int(completion_mask.sum(-1).max())
     width = completion_len  # completion positions in the forward
@@ -61,6 +110,32 @@ def forward_logps(model, batch, rows, temperature, chunked=None, router_aux=Fals
     return per_token[..., 0], per_token[..., 1], completion_len, aux
 
 
+def packed_logps(model, batch, rows, temperature, chunked=None, router_aux=False):
+    """forward_logps with no padding token in the model: batch[rows] packed into one row whose
+    positions restart at each sequence, attention within each (packing.py); the head runs on the
+    completion tokens' predicting positions only, given to the model as an index (logits_to_keep).
+    The same returns, zero on padding. router_aux: the row has no padding, so the router's loss
+    is over real tokens."""
+    completion_mask = batch.completion_mask[rows]
+    completion_len = int(completion_mask.sum(-1).max())
+    packed = packing.pack(batch.prompt_ids[rows], batch.prompt_mask[rows],
+                          batch.completion_ids[rows, :completion_len],
+                          completion_mask[:, :completion_len])
+    head = LogpsHead(packed.targets[None], temperature, batch.suppressed_ids, packed=True)
+    chunked = plain_head(model) if chunked is None else chunked
+    extra = {"output_router_logits": True} if router_aux else {}
+    with packing.packed_forward(base_of(model)), \
+            swapped_head(model, head) if chunked else nullcontext():
+        out = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                    logits_to_keep=packed.score_index, use_cache=False,
+                    **packed.attention_kwargs(), **extra)
+    logits = out.logits[0]  # [M, 2] from LogpsHead, else [M, V]
+    per_token = logits if chunked else head.score(logits, packed.targets)  # [M, 2]
+    per_token = packing.unpack(per_token, packed)  # [b, T, 2]
+    aux = out.aux_loss if router_aux else None
+    return per_token[..., 0], per_token[..., 1], completion_len, aux
+
+
 # fp32 elements of one chunk's logits in LogpsHead on a CPU (16 MB); a GPU takes GPU_HEAD_SHARE of
 # its memory (0.9 GB on an H200: 1,500 tokens at V = 152k). A chunk's backward holds about five
 # [n, V] fp32 arrays at once (logits, exp, softmax, their product, the gradient; measured as RSS):
@@ -83,16 +158,19 @@ class LogpsHead(torch.nn.Module):
     tokens go through the real head in chunks (head_chunk_tokens) and are recomputed in backward,
     so one chunk of logits is alive at most: b * T * V * 8 bytes less (40 GB at b=8, T=4096,
     V=152k). Image placeholders (suppressed) are never sampled, so they are not in the policy's
-    distribution either (finite, for the entropy)."""
+    distribution either (finite, for the entropy). packed: hidden [1, M, H] are already the
+    positions that predict targets [1, M] (a packed row's, selected by logits_to_keep)."""
 
-    def __init__(self, targets, temperature, suppressed=None):
+    def __init__(self, targets, temperature, suppressed=None, packed=False):
         super().__init__()
         self.targets, self.temperature, self.suppressed = targets, temperature, suppressed
-        self.lm_head = None
+        self.packed, self.lm_head = packed, None
 
     def forward(self, hidden):
         b, T = self.targets.shape
-        hidden = hidden[:, :-1].reshape(b * T, -1)  # position t predicts targets[:, t]
+        if not self.packed:
+            hidden = hidden[:, :-1]  # position t predicts targets[:, t]
+        hidden = hidden.reshape(b * T, -1)
         targets, head = self.targets.reshape(b * T), self.lm_head
         tokens = head_chunk_tokens(head.weight.shape[0], hidden.device.type)
         if isinstance(head, torch.nn.Linear) and head.bias is None and \
@@ -194,10 +272,14 @@ def batch_logps(model, batch, cfg):
     was_training = model.training
     model.eval()
     logps = torch.zeros(batch.completion_ids.shape, device=batch.completion_ids.device)
-    for mb in micro_batches(len(logps), cfg.per_device_train_batch_size):
-        mb_logps, _, T, _ = forward_logps(model, batch, mb, cfg.temperature,
-                                          pad_to=cfg.pad_to_multiple_of)
-        logps[mb, :T] = mb_logps
+    per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+    for rows in micro_batches(len(logps), per_step):  # update()'s mini-batches
+        for mb in training_micro_batches(batch, rows, cfg.per_device_train_batch_size,
+                                         cfg.max_tokens_per_microbatch):
+            mb_logps, _, T, _ = forward_logps(model, batch, mb, cfg.temperature,
+                                              pad_to=cfg.pad_to_multiple_of,
+                                              padding_free=cfg.padding_free)
+            logps[mb, :T] = mb_logps
     model.train(was_training)
     released(model)
     return logps

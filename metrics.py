@@ -178,11 +178,35 @@ def step_metrics(sums, grad_norm, scheduler, timings, batch_tokens):
         metrics["aux_loss"] = sums["aux_loss"] / sequences
     if "sampler_drift" in sums:
         metrics["sampling/sampling_logp_difference/mean"] = sums["sampler_drift"] / tokens
-    if "is_weight" in sums:  # truncated importance sampling (TRL's names)
+    if "max/sampler_drift" in sums:
+        metrics["sampling/sampling_logp_difference/max"] = sums["max/sampler_drift"]
+    if "is_weight" in sums:  # sequence-level importance sampling (TRL's names)
         metrics["sampling/importance_sampling_ratio/mean"] = sums["is_weight"] / sequences
-        metrics["sampling/importance_sampling_ratio/truncated_fraction"] = \
-            sums["is_truncated"] / sequences
+    for stat in ("min", "max"):
+        if f"{stat}/is_weight" in sums:
+            metrics[f"sampling/importance_sampling_ratio/{stat}"] = sums[f"{stat}/is_weight"]
+    for name, metric in (("is_truncated", "importance_sampling_ratio/truncated_fraction"),
+                         ("is_masked", "importance_sampling_ratio/masked_fraction"),
+                         ("off_policy_masked", "off_policy_masked_fraction")):
+        if name in sums:  # shares of the step's sequences
+            metrics["sampling/" + metric] = sums[name] / sequences
     return metrics
+
+
+def sampling_sums(sampling):
+    """A step's tensors of the sampler/trainer mismatch, each a list over its micro-batches
+    (is_weight [b], is_truncated / is_masked / off_policy_masked [b] bool, sampler_drift [b, T]
+    |log pi_sampler - log pi_old| times the loss mask) -> this rank's sums, and the maxima ("max/")
+    and minima ("min/") of the weights and the drift, for step_metrics once reduce_sums has them."""
+    sums = {}
+    for name, parts in sampling.items():
+        values = torch.cat([part.flatten().float() for part in parts])
+        sums[name] = values.sum()
+        if name in ("is_weight", "sampler_drift"):
+            sums["max/" + name] = values.max()
+        if name == "is_weight":
+            sums["min/" + name] = values.min()
+    return sums
 
 
 def completions_table(step, batch, scores, rewards, log_multimodal=True):

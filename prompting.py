@@ -2,6 +2,7 @@
 ids that end a completion. Shared by every generator (rollout.py, vllm_rollout.py, environments.py)
 and by the metrics."""
 import io
+import re
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,34 @@ def prompt_texts(tokenizer, prompts, chat_template_kwargs=None, images=None):
     options = chat_template_kwargs or {}
     return [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True, **options)
             if is_conversational(p) else p for p in prompts]
+
+
+# The roles a conversation may hold. A chat template declares none: SmolLM2's writes any role
+# verbatim, Qwen2.5's drops one it does not know, both silently. These are the ones every chat
+# template renders, and the run's own tool results; a template may name more (Llama's 'ipython').
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def allowed_roles(tokenizer):
+    """ROLES, plus any other role the chat template names as a quoted string ('developer')."""
+    template = getattr(tokenizer, "chat_template", None)
+    template = " ".join(template.values()) if isinstance(template, dict) else template or ""
+    named = re.findall(r"""role\W{1,8}['"](\w+)['"]""", template)
+    return ROLES + tuple(sorted(set(named) - set(ROLES)))
+
+
+def dropped_content(tokenizer, messages, chat_template_kwargs=None):
+    """The first message whose content the chat template leaves out of its rendering ((index,
+    text)), or None. Text is compared stripped (templates trim); images are not text."""
+    rendered = prompt_texts(tokenizer, [messages], chat_template_kwargs)[0]
+    for j, message in enumerate(messages):
+        content = message["content"]
+        parts = [content] if isinstance(content, str) else \
+            [p.get("text", "") for p in content if isinstance(p, dict)]
+        missing = next((p.strip() for p in parts if p.strip() not in rendered), None)
+        if missing is not None:
+            return j, missing
+    return None
 
 
 def tokenize_prompts(tokenizer, prompts, chat_template_kwargs=None):

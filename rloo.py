@@ -5,6 +5,8 @@ Paper: Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimiz
 from Human Feedback in LLMs", §3 (RLOO estimator, sequence-level KL-shaped reward).
 """
 
+import math
+
 import torch
 
 # exp(20) ~ 5e8: large enough never to bind on sane data, small enough never to overflow
@@ -103,8 +105,9 @@ def rloo_loss(logps, old_logps, advantages, epsilon_low, epsilon_high, num_seque
     ranks), so summing micro-batch losses and averaging gradients over ranks gives the mean over the
     step. With old_logps = logps.detach() (num_iterations == 1) rho == 1 and the gradient is
     REINFORCE's A grad s.
-    is_weights [B] (optional, no gradient) multiply each sequence's term: truncated importance
-    sampling when the samples came from a generator whose log-probs differ from the trainer's.
+    is_weights [B] (optional, no gradient) multiply each sequence's term: importance_weights, times
+    off_policy_mask, when the samples came from a generator whose log-probs differ from the
+    trainer's.
     Returns the loss and per-sequence clip indicators (low, high) for the clip_ratio metrics.
     """
     ratio = torch.exp((logps - old_logps).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B]
@@ -117,3 +120,33 @@ def rloo_loss(logps, old_logps, advantages, epsilon_low, epsilon_high, num_seque
     low = (ratio < 1 - epsilon_low) & (advantages < 0)
     high = (ratio > 1 + epsilon_high) & (advantages > 0)
     return loss, low.detach(), high.detach()
+
+
+def importance_weights(seq_old, seq_sampled, mode, clip_min=None, clip_max=None):
+    """TRL's sequence-level importance weights, for completions drawn by a generator whose
+    log-probs are not the trainer's (vLLM's kernels, bf16, async lag). One ratio per completion,
+    rho_i = exp(s_i_old - s_i_sampler) = pi_old(o_i) / pi_sampler(o_i), then
+        sequence_truncate: w_i = clamp(rho_i, C_min, C_max)               (truncated IS)
+        sequence_mask:     w_i = rho_i if C_min <= rho_i <= C_max, else 0 (masked IS)
+    A bound that is None does not bind. seq_old, seq_sampled [B] (sums over the loss tokens)
+    -> weights [B], outside [B] bool: rho_i outside [C_min, C_max] (truncated or masked)."""
+    ratio = torch.exp(seq_old - seq_sampled)  # [B]
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    outside = (ratio < low) | (ratio > high)
+    if mode == "sequence_truncate":
+        return ratio.clamp(low, high), outside
+    if mode == "sequence_mask":
+        return ratio.masked_fill(outside, 0.0), outside
+    raise ValueError(f"importance sampling mode {mode!r}: sequence_truncate or sequence_mask")
+
+
+def off_policy_mask(advantages, sampler_logps, logps, mask, threshold):
+    """DeepSeek-V3.2's off-policy sequence mask (eq. 9; TRL's get_off_policy_mask): keep completion
+    i unless A_i < 0 and its mean per-token KL from the sampler exceeds delta,
+        kl_i = sum_t (log pi_sampler(o_t) - log pi(o_t)) m_t / max(sum_t m_t, 1),
+    pi the policy being trained (no gradient): a negative sample the policy has moved far from
+    is the least trustworthy update. advantages [B]; sampler_logps, logps, mask [B, T] -> keep [B]
+    bool."""
+    kl = ((sampler_logps - logps) * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [B]
+    return (advantages >= 0) | (kl <= threshold)

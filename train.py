@@ -48,14 +48,15 @@ import rollout  # noqa: E402
 import sampler  # noqa: E402
 import vllm_rollout  # noqa: E402
 from batches import BatchSource  # noqa: E402
-from config import EMBEDDED_PRESET, Config, check_config, fail, parse_config  # noqa: E402, F401
+from checks import check_config  # noqa: E402
+from config import EMBEDDED_PRESET, Config, fail, parse_config  # noqa: E402, F401
 from config import generation_steps, low_precision, sampler_logps_exact  # noqa: E402
 from evaluation import eval_config, evaluate  # noqa: E402
-from metrics import (Logger, batch_metrics, completions_table, show_samples,  # noqa: E402
-                     step_metrics, timed)
+from metrics import (Logger, batch_metrics, completions_table, sampling_sums,  # noqa: E402
+                     show_samples, step_metrics, timed)
 from rewards import load_rewards  # noqa: E402
-from rloo import (combine_rewards, has_baseline, normalize_advantages,  # noqa: E402
-                  rloo_advantages, rloo_loss, sequence_kl)
+from rloo import (combine_rewards, has_baseline, importance_weights,  # noqa: E402
+                  normalize_advantages, off_policy_mask, rloo_advantages, rloo_loss, sequence_kl)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,12 +232,13 @@ def policy_step(cfg, model, optimizer, scheduler, batch, scores, old_logps=None,
     (README 'Where we differ from TRL'). A MoE model adds coef * its router's load-balancing loss.
     -> (sequence log-probs s of these rows; this rank's sums for the metrics; the global gradient
     norm, non-finite: the step was skipped; the phase timings)"""
-    advantages, cap = scores.advantages, cfg.vllm_importance_sampling_cap
+    advantages, sampling = scores.advantages, defaultdict(list)  # sampler mismatch, per micro-batch
     rows = slice(0, len(advantages)) if rows is None else rows
     eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
-    aux_coef, timings, seq_logps_all = models.router_aux_coef(cfg, model), {}, []
-    mbs = [slice(s.start + rows.start, s.stop + rows.start)
-           for s in forward.micro_batches(rows.stop - rows.start, cfg.per_device_train_batch_size)]
+    aux_coef, timings = models.router_aux_coef(cfg, model), {}
+    seq_logps_all = advantages.new_zeros(len(advantages))  # [B] filled at the step's rows
+    mbs = forward.training_micro_batches(batch, rows, cfg.per_device_train_batch_size,
+                                         cfg.max_tokens_per_microbatch)
     sums, n = defaultdict(float), rows.stop - rows.start  # this rank's totals for the metrics
     with timed(timings, "time/forward_backward"):
         for i, mb in enumerate(mbs):
@@ -244,38 +246,57 @@ def policy_step(cfg, model, optimizer, scheduler, batch, scores, old_logps=None,
                 model.set_requires_gradient_sync(i == len(mbs) - 1)
             logps, entropy, T, aux = forward.forward_logps(  # [b, T]
                 model, batch, mb, cfg.temperature, router_aux=aux_coef > 0,
-                pad_to=cfg.pad_to_multiple_of)
+                pad_to=cfg.pad_to_multiple_of, padding_free=cfg.padding_free)
             mask = scores.loss_mask[mb, :T]
             seq_logps = (logps * mask).sum(-1)  # [b]  s_i = sum_t log pi(o_t)
             seq_old = seq_logps.detach() if old_logps is None else old_logps[mb]
             # the generator's log-probs (the trainer's own where it reports none)
             reported = batch.sampler_logps is not None
             sampled = batch.sampler_logps[mb, :T] if reported else logps.detach()
-            is_weights = None
-            if cap:  # truncated IS: the batch came from the generator, not this policy
-                ratio = torch.exp(seq_old - (sampled * mask).sum(-1))  # [b] pi_train / pi_sample
-                is_weights = ratio.clamp(max=cap)
-                sums["is_weight"] += is_weights.sum()
-                sums["is_truncated"] += (ratio > cap).float().sum()
+            is_weights = sampler_weights(cfg, seq_old, sampled, logps.detach(), mask,
+                                         advantages[mb], sampling)  # [b] or None
             loss, low, high = rloo_loss(seq_logps, seq_old, advantages[mb], cfg.epsilon, eps_high,
                                         n, is_weights)
             if aux is not None:  # weighted by the micro-batch's share of the step
                 loss = loss + aux_coef * aux * len(mask) / n
                 sums["aux_loss"] += aux.detach() * len(mask)
             loss.backward()
-            seq_logps_all.append(seq_logps.detach())
+            seq_logps_all[mb] = seq_logps.detach()
             sums["loss"] += loss.detach()
             sums["clipped_low"] += low.sum()
             sums["clipped_high"] += high.sum()
             sums["entropy"] += (entropy * mask).sum()
             sums["tokens"] += mask.sum()
             sums["sequences"] += len(mask)
-            if old_logps is None and reported:  # |log pi_sampler - log pi_trainer| per token
-                sums["sampler_drift"] += ((sampled - logps.detach()).abs() * mask).sum()
+            # |log pi_sampler - log pi_old| per token; pi_old this pass's, else scoring's forward's
+            forwarded = scores.old_logps is not None and scores.old_logps is not batch.sampler_logps
+            if reported and (old_logps is None or forwarded):
+                old_tokens = logps.detach() if old_logps is None else scores.old_logps[mb, :T]
+                sampling["sampler_drift"].append((sampled - old_tokens).abs() * mask)
     with timed(timings, "time/optimizer"):
         grad_norm = optimizer_step(cfg, model, optimizer, scheduler)
+    sums.update(sampling_sums(sampling))
     sums = {k: torch.as_tensor(v, device=advantages.device).float() for k, v in sums.items()}
-    return torch.cat(seq_logps_all), sums, grad_norm, timings
+    return seq_logps_all[rows], sums, grad_norm, timings
+
+
+def sampler_weights(cfg, seq_old, sampled, logps, mask, advantages, sampling):
+    """The loss weights [b] of completions the generator drew, None where no flag asks for any:
+    TRL's sequence-level importance weight (README 'vLLM generation'), times DeepSeek-V3.2's
+    off-policy mask. The sequences each truncates, masks or drops go into sampling (metrics)."""
+    weights = None
+    if cfg.vllm_importance_sampling_correction:  # the generator's log-probs are not the trainer's
+        mode = cfg.vllm_importance_sampling_mode
+        weights, outside = importance_weights(  # [b] from pi_old / pi_sampler
+            seq_old, (sampled * mask).sum(-1), mode, cfg.vllm_importance_sampling_clip_min,
+            cfg.vllm_importance_sampling_clip_max)
+        sampling["is_weight"].append(weights)
+        sampling["is_truncated" if mode == "sequence_truncate" else "is_masked"].append(outside)
+    if cfg.off_policy_mask_threshold is not None:  # eq. 9: A < 0 and far from the sampler
+        keep = off_policy_mask(advantages, sampled, logps, mask, cfg.off_policy_mask_threshold)
+        weights = keep.float() if weights is None else weights * keep
+        sampling["off_policy_masked"].append(~keep)
+    return weights
 
 
 def optimizer_step(cfg, model, optimizer, scheduler):
@@ -361,7 +382,8 @@ def announce(cfg, model, device, total_steps):
         world = distributed.world_size()
         per_batch = cfg.per_device_train_batch_size * generation_steps(cfg, world) * world
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        print(f"rloo: {world} process(es) on {device}, "
+        threads = f" ({distributed.CPU_THREADS[0]})" if distributed.CPU_THREADS else ""
+        print(f"rloo: {world} process(es) on {device}{threads}, "
               f"{sum(p.numel() for p in model.parameters()):,} params per rank ({trainable:,} "
               f"trainable), {per_batch} completions per generated batch, {steps_per_batch(cfg)} "
               f"optimizer step(s) on each, {total_steps} steps -> {cfg.output_dir}")
@@ -407,7 +429,7 @@ def main(argv=None):
     rewards.max_steps, rewards.steps_per_epoch = total_steps, steps_per_epoch(cfg, dataset)
     # a TrainerState: step 0, or the checkpoint resumed from
     state = checkpoint.resume_or_start(cfg, model, optimizer, scheduler, ref_model)
-    stop_signal, health = checkpoint.watch_signals(device), RunHealth(cfg)  # SIGTERM or Ctrl-C
+    stop_signal, health = checkpoint.watch_signals(device, cfg.output_dir), RunHealth(cfg)
     logger = Logger(cfg, total_steps, state, rewards.steps_per_epoch)
     source = BatchSource(cfg, generator, dataset, rewards, tokenizer.pad_token_id, vars(state))
     step, num_tokens, saved_step, stopped = state.step, state.num_tokens, state.step, False

