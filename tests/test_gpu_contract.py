@@ -284,7 +284,7 @@ def test_a_whole_step_grows_by_well_under_the_logits_from_8_to_512_completion_to
     """One LoRA step of train.py (generation, rewards, scoring, forward+backward, optimizer) with 2 completions of
     exactly 512 tokens through a 49k vocabulary peaks at most 0.6x their fp32 logits (192 MiB) above the same step
     with 8 tokens: no phase keeps a [b, T, V] tensor (the peaks are each phase's memory/<phase>). Measured: 81 MiB;
-    with the head's former 64 MB chunks a chunk's backward alone held five [n, V] arrays of that size (320 MB)."""
+    345 MiB with the head's former 64 MB chunks (a chunk's backward holds five [n, V] arrays of that size)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
