@@ -57,10 +57,11 @@ class Rollout:
     logged_columns: dict = field(default_factory=dict)
     logged_metrics: dict = field(default_factory=dict)
     # multi-turn (environments.py): [B, T] 1 where the model sampled the token, 0 where the
-    # environment wrote it; B turn lists (the reward functions' completions); {name: [B]} counts
+    # environment wrote it; B turn lists (the reward functions' completions); {name: [B]} counts;
     generated_mask: torch.Tensor | None = None
     turns: list | None = None
     turn_stats: dict | None = None
+    environments: list | None = None  # B environment objects, TRL's `environments` argument
 
     def model_tokens(self):
         """[B, T] the completion tokens the model sampled: the only ones in s_i, the KL, the

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 import distributed
 import lora
-import rewards as rewards_lib
+import reward_calls
 from config import fail
 from data import embedded_task, first_line
 from models import load_model
@@ -314,7 +314,7 @@ def watch_signals(device, output_dir):
     uncaught = sys.excepthook
 
     def stop_reward_if_still_running():
-        if rewards_lib.calling[0]:
+        if reward_calls.calling[0]:
             signal.pthread_kill(main_thread, signal.SIGTERM)
 
     def handle(signum, frame):
@@ -329,9 +329,9 @@ def watch_signals(device, output_dir):
         if signum == signal.SIGINT:
             print(f"\nrloo: {name}: saving a checkpoint at the end of this step (Ctrl-C again: "
                   "exit at once)", file=sys.stderr)
-        if rewards_lib.calling[0] and again:
-            raise rewards_lib.Interrupted(name)
-        if rewards_lib.calling[0]:
+        if reward_calls.calling[0] and again:
+            raise reward_calls.Interrupted(name)
+        if reward_calls.calling[0]:
             timer = threading.Timer(REWARD_GRACE, stop_reward_if_still_running)
             timer.daemon = True  # it must not hold the exit
             timer.start()

@@ -20,9 +20,10 @@ def check_config(cfg, world_size=1):
     check_batch_geometry(cfg, world_size)
     if cfg.padding_free and cfg.pad_to_multiple_of:
         fail("--padding_free leaves no padding to round up: drop --pad_to_multiple_of")
-    if not cfg.reward_funcs:
+    if not cfg.reward_funcs and not cfg.environment:  # an environment may own the reward
         fail("no reward function: pass --reward_funcs NAME [NAME ...]")
-    if cfg.reward_weights is not None and len(cfg.reward_weights) != len(cfg.reward_funcs):
+    if cfg.reward_weights is not None and not cfg.environment and \
+            len(cfg.reward_weights) != len(cfg.reward_funcs):
         fail(f"{len(cfg.reward_weights)} reward_weights for {len(cfg.reward_funcs)} reward_funcs; "
              "give one weight each")
     clip = cfg.reward_clip_range
@@ -82,9 +83,12 @@ def check_multi_turn(cfg):
              if cfg.model is None else "no such file or directory"))
     if cfg.environment and cfg.tools:
         fail("give one of --environment and --tools (a tool loop is an environment of its own)")
-    if cfg.environment == "lookup" and cfg.model is not None:
-        fail("--environment lookup is the embedded task's (it reads its target column); drop "
-             "--model, or give an environment of your own (FILE.py:FACTORY)")
+    if cfg.environment in ("lookup", "lookup_scored") and cfg.model is not None:
+        fail(f"--environment {cfg.environment} is the embedded task's (it reads its target "
+             "column); drop --model, or give an environment of your own (FILE.py:FACTORY)")
+    if cfg.environment and cfg.model and not cfg.dataset and cfg.max_steps <= 0:
+        fail("an --environment without --dataset owns the data (its reset() returns each "
+             "prompt), which has no length to derive the number of steps from; set --max_steps")
 
 
 def check_eval(cfg):

@@ -252,9 +252,12 @@ class Config:
         "Shuffle prompts (seeded; reshuffled each epoch).")
     # multi-turn (environments.py)
     environment: str | None = arg(None,
-        "FILE.py:FACTORY: an environment the model talks to between its turns (FACTORY(row) -> "
-        "an object with step(text) -> (reply, done), optionally reset() -> prompt), or lookup "
-        "(the embedded task, its string shown only to a model that asks).")
+        "FILE.py:NAME: an environment the model talks to between its turns: NAME(row) -> an "
+        "object with step(text) -> (reply, done), optionally reset() -> prompt and get_reward(); "
+        "or TRL's environment_factory, NAME() -> an object with reset(**columns), tool methods "
+        "and optionally get_reward(); or a dict of these routing rows by their `environment` "
+        "column. lookup: the embedded task, its string shown only to a model that asks "
+        "(lookup_scored: scoring itself).")
     tools: str | None = arg(None,
         "FILE.py:fn_a,fn_b: tools the model may call (type-hinted, with docstrings; sync or "
         "async), their schemas given to the chat template, each call's result a tool message.")
@@ -520,6 +523,7 @@ EMBEDDED_LORA_PRESET = dict(lora_target_modules=["all-linear"], lora_modules_to_
                             learning_rate=2e-3)
 
 # ... and with --environment lookup: room for two turns, a question and the 4 digits and EOS
+# (lookup_scored: the environment's own reward, get_reward, instead of task_reward)
 EMBEDDED_LOOKUP_PRESET = dict(max_completion_length=12)
 
 # Truncated importance sampling's cap for stale batches (Yao et al. 2025, "Your efficient RL
@@ -549,7 +553,8 @@ def parse_config(argv=None):
     if stray:  # argparse's own errors are one line already; a value without a flag is not
         fail(f"{' '.join(stray)}: not a flag nor a flag's value; see --help")
     extra = {**(EMBEDDED_LORA_PRESET if cfg.use_peft else {}),
-             **(EMBEDDED_LOOKUP_PRESET if cfg.environment == "lookup" else {})}
+             **(EMBEDDED_LOOKUP_PRESET if cfg.environment in ("lookup", "lookup_scored") else {}),
+             **({"reward_funcs": None} if cfg.environment == "lookup_scored" else {})}
     if not with_model and extra and not {"-h", "--help"} & set(argv):
         parser.set_defaults(**extra)
         (cfg,) = parser.parse_args_into_dataclasses(argv)

@@ -17,6 +17,20 @@ import prompting
 from config import fail, generation_steps
 
 
+def environment_prompts(dataset, cfg):
+    """An environment that owns its data (TRL's environment_factory without a dataset, or a
+    dataset that only routes rows to environments): rows whose prompt is an empty user message,
+    to which reset() appends the task. Without a dataset, one generation's worth of such rows."""
+    from datasets import Dataset
+    empty = [{"role": "user", "content": ""}]
+    if dataset is None:
+        rows = prompts_per_rank(cfg) * distributed.world_size()
+        return Dataset.from_dict({"prompt": [empty] * rows})
+    if "prompt" in (dataset.column_names or next(iter(dataset))):
+        return dataset
+    return dataset.map(lambda row: {"prompt": empty})
+
+
 def embedded_task(seed, num_rows=4096):
     """A tiny Qwen2 model, a character tokenizer and a verifiable task, all built locally (no
     network).
@@ -106,7 +120,7 @@ def load_data(cfg, split, streaming=None, path=None):
         fail(f"cannot load dataset {path!r} (split {split!r}): {first_line(cause)}")
     if not columns:
         fail(f"dataset {path!r} split {split!r} has no rows")
-    if "prompt" not in columns:
+    if "prompt" not in columns and not cfg.environment:  # an environment's reset() may give it
         fail(f"dataset {path!r} has no 'prompt' column (columns: {columns}); rename the column "
              "holding the prompts to 'prompt'")
     if not streaming and len(dataset) == 0:
@@ -248,22 +262,23 @@ def check_prompt_lengths(prompts, tokenizer, model, cfg, where):
 # reserved for the environment work.
 REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "step", "trainer_state",
                     "log_extra", "log_metric", "environments")
-# Columns the trainer will read itself: `environment` will route a row to one of several
-# environments (SPEC 9), so a column of that name that means something else would be misread.
+# Columns the trainer reads itself: `environment` routes a row to one of several environments
+# (TRL's name), so a column of that name that means something else would be misread.
 RESERVED_COLUMNS = ("environment",)
 
 
-def check_columns(columns, where):
+def check_columns(columns, where, routed=False):
     """A dataset's columns reach reward functions as keyword arguments: none may take the name of
-    an argument the trainer passes, nor a name the trainer reserves. One line at start-up."""
+    an argument the trainer passes, nor a name the trainer reserves (`environment`, but in a run
+    with --environment, whose rows it routes). One line at start-up."""
     for column in columns:
         if column in REWARD_ARGUMENTS:
             fail(f"{where} has a column {column!r}, which is also the name of an argument the "
                  f"trainer passes reward functions ({', '.join(REWARD_ARGUMENTS)}); rename the "
                  "column")
-        if column in RESERVED_COLUMNS:
-            fail(f"{where} has a column {column!r}, a name rloo reserves (it will route each row "
-                 "to one of several environments); rename the column")
+        if column in RESERVED_COLUMNS and not routed:
+            fail(f"{where} has a column {column!r}, a name rloo reserves (it routes each row to "
+                 "one of several environments with --environment); rename the column")
 
 
 # an eval set's metric names of one or two words (evaluation.py): with several sets, set x's
@@ -289,21 +304,26 @@ def load_datasets(cfg):
     vision-language run. Eval sets are loaded whole even with --streaming (evaluation goes through
     all of each): the splits of --eval_split, named by split, then each --eval_dataset
     NAME=SOURCE[@SPLIT]."""
-    if cfg.model is not None and cfg.dataset is None:
+    if cfg.model is not None and cfg.dataset is None and not cfg.environment:
         fail("--model needs --dataset (a dataset with a 'prompt' column)")
     dataset = load_data(cfg, cfg.dataset_split) if cfg.dataset is not None else None
+    if cfg.environment and (dataset is not None or cfg.model is not None):
+        dataset = environment_prompts(dataset, cfg)
     eval_sets = {split: load_data(cfg, split, streaming=False) for split in cfg.eval_split or []}
     for named in cfg.eval_dataset or []:
         name, _, source = named.partition("=")
         source, _, split = source.rpartition("@") if "@" in source else (source, "", "train")
         eval_sets[name] = load_data(cfg, split, streaming=False, path=source)
     if dataset is not None:
-        check_columns(dataset.column_names or next(iter(dataset)), f"--dataset {cfg.dataset}")
+        check_columns(dataset.column_names or next(iter(dataset)), f"--dataset {cfg.dataset}",
+                      bool(cfg.environment))
     if hasattr(dataset, "__len__"):  # a stream's rows are checked as they are drawn
         check_prompts(dataset["prompt"], "dataset")
     check_eval_names(list(eval_sets))
     for name, split in eval_sets.items():
-        check_columns(split.column_names, eval_where(cfg, name))
+        if cfg.environment:
+            split = eval_sets[name] = environment_prompts(split, cfg)
+        check_columns(split.column_names, eval_where(cfg, name), bool(cfg.environment))
         check_prompts(split["prompt"], eval_where(cfg, name))
     vision = dataset is not None and bool({"image", "images"} & set(dataset.column_names
                                                                     or next(iter(dataset))))

@@ -37,7 +37,7 @@ import re
 import sys
 import threading
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from transformers.utils import get_json_schema
 from transformers.utils.chat_template_utils import (DocstringParsingException,
@@ -164,17 +164,14 @@ PROBE_CALL = {"name": "lookup_7f3a", "arguments": {"query_7f3a": "value_7f3a"}}
 PROBE_RESULT = "result_7f3a"
 # the start of each style's call, to read the rendered probe from (hermes: the tag)
 CALL_START = {"hermes": "<tool_call>", "llama3": '{"name"'}
-# one model turn per style, as the model writes it, for the prefix check
-SAMPLE_TURN = {"hermes": '<tool_call>\n{"name": "lookup", "arguments": {"query": "x"}}\n'
-                         '</tool_call>',
-               "llama3": '{"name": "lookup", "parameters": {"query": "x"}}'}
 
 
 def template_style(tokenizer):
     """'hermes' or 'llama3': the format of the tokenizer's chat template, found by rendering a tool
     call and reading it back with `parse_tool_calls` (so the parser reads what the template
     writes). One line, before any model loads, if the template has no tool support, drops the
-    call or its result, writes calls in another format, or is not prefix-preserving."""
+    call or its result, or writes calls in another format. (It need not be prefix-preserving:
+    environments.MultiTurn renders tool results on their own, after a stand-in turn.)"""
     model = tokenizer.name_or_path or "this tokenizer"
     template = tokenizer.chat_template
     if isinstance(template, dict):  # named templates: apply_chat_template takes tool_use with tools
@@ -200,24 +197,7 @@ def template_style(tokenizer):
     if not styles:
         fail(f"the chat template of {model} writes tool calls in a format this file does not read "
              f"(it reads hermes <tool_call> JSON and Llama 3 JSON): {rendered[-300:]!r}")
-    check_prefix_preserving(tokenizer, styles[0], model)
     return styles[0]
-
-
-def check_prefix_preserving(tokenizer, style, model):
-    """The multi-turn loop takes the tokens of a tool result as the rendering after the model's
-    own turn, so the turn must render the same once tool messages follow it. Qwen3's template
-    does not (its last turn gets an empty <think> block the earlier ones lose)."""
-    turn = [{"role": "user", "content": "hi"},
-            {"role": "assistant", "content": SAMPLE_TURN[style]}]
-    result = [{"role": "tool", "name": "lookup", "content": "y"}]
-    before = tokenizer.apply_chat_template(turn, tokenize=False)
-    after = tokenizer.apply_chat_template(turn + result, tokenize=False, add_generation_prompt=True)
-    if not after.startswith(before):
-        fail(f"the chat template of {model} renders the model's turn differently once a tool "
-             "result follows it: multi-turn tool calls need a prefix-preserving template (for "
-             "Qwen3, save trl.chat_template_utils.get_training_chat_template(tokenizer) as the "
-             "tokenizer's chat_template)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -449,6 +429,8 @@ class ToolEnvironment:
     timeout: float = 10.0
     tool_calls: int = 0
     tool_failures: int = 0
+    owner: object = None  # a TRL environment whose methods funcs are (environments.adapt)
+    template_kwargs: dict = field(default_factory=dict)  # {"tools": schemas} shown in its prompt
 
     def step(self, assistant_text):
         """The model's turn -> (tool messages, done). No call: ([], True), the model answered.

@@ -422,7 +422,7 @@ def main(argv=None):
     dataset, eval_sets, vision = data.load_datasets(cfg)  # data first: cheaper to find it wrong
     model, ref_model, tokenizer, processor, dataset = load_models(
         cfg, dataset, eval_sets, vision, device)
-    rewards = load_rewards(cfg, device)
+    rewards = load_rewards(cfg, device, environments.environment_rewards(cfg, dataset))
     generator = start_generator(cfg, model, tokenizer, processor, dataset, device)
     eval_generator = start_eval_generator(cfg, model, tokenizer, processor, device)
     optimizer, scheduler, total_steps = make_optimization(cfg, model, dataset, device)

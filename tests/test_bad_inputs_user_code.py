@@ -19,6 +19,7 @@ import data
 import environments
 import metrics
 import rewards
+import reward_calls
 import tools
 
 N = 4  # completions in every reward batch here: two prompts, G = 2
@@ -318,9 +319,9 @@ def test_a_reward_that_changes_a_multi_turn_conversation_leaves_the_rollouts_tur
 @pytest.fixture
 def quick_clock(monkeypatch):
     """The async default limit and the slow warning's intervals shrunk from minutes to tenths of a second."""
-    monkeypatch.setattr(rewards, "ASYNC_TIMEOUT", 0.5)
-    monkeypatch.setattr(rewards, "SLOW_AFTER", 0.1)
-    monkeypatch.setattr(rewards, "SLOW_EVERY", 0.1)
+    monkeypatch.setattr(reward_calls, "ASYNC_TIMEOUT", 0.5)
+    monkeypatch.setattr(reward_calls, "SLOW_AFTER", 0.1)
+    monkeypatch.setattr(reward_calls, "SLOW_EVERY", 0.1)
 
 
 def test_an_async_reward_that_never_returns_stops_at_the_default_limit_and_warns_meanwhile(quick_clock, capsys):

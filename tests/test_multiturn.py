@@ -305,10 +305,10 @@ def test_an_environment_that_fails_inside_a_trajectory_gives_an_error_turn_and_i
     for b, turns in enumerate(batch.turns):
         if ended[b] and expected[b]:
             assert turns[-1] == {"role": "environment", "content": "error: step raised ValueError: no such room"}
-    loop.make_env = lambda row: Hangs()
+    loop.routes = {None: lambda row: Hangs()}
     batch = loop.generate(dataset[:2], seed=0)
     assert any("did not return within --environment_timeout 0.3 s" in t[-1]["content"] for t in batch.turns)
-    loop.make_env = lambda row: type("Bad", (), {"step": lambda self, text: "just a string"})()
+    loop.routes[None] = lambda row: type("Bad", (), {"step": lambda self, text: "just a string"})()
     with pytest.raises(SystemExit, match=r"step must return \(reply, done\) with reply a string"):
         loop.generate(dataset[:2], seed=0)
 
@@ -338,7 +338,7 @@ def test_an_environment_file_that_does_not_load_is_one_line(tmp_path):
     broken.write_text("def make_env(row):\n    return 1 +\n")
     for spec, message in [(f"{broken}:make_env", "cannot load environment file"),
                           (f"{tmp_path}/none.py:make_env", "does not exist"),
-                          ("lookupp", "give FILE.py:FACTORY or one of ['lookup']")]:
+                          ("lookupp", "give FILE.py:FACTORY or one of ['lookup', 'lookup_scored']")]:
         out = run(["--environment", spec, "--max_steps", "1"])
         assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
 

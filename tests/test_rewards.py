@@ -9,7 +9,8 @@ import torch
 
 import config
 import rewards
-from rewards import compute_rewards, load_reward_func, reward_name
+from reward_calls import compute_rewards, reward_name
+from rewards import load_reward_func
 
 PROMPTS = ["Solve: 2x + 3 = 7"] * 2 + ["2+2?"] * 2
 COMPLETIONS = ["x = \\boxed{2}", "\\boxed{3}", "it is \\boxed{4}", "no idea"]
