@@ -107,17 +107,27 @@ def choose_cpu_threads(cores, busy, env=None):
 
 
 def busy_cores(seconds=0.25):
-    """Cores' worth of CPU time other processes used over `seconds` (this one sleeps): Linux's
-    /proc/stat; 0 elsewhere."""
+    """Cores' worth of CPU time other processes used over `seconds` (this one sleeps) on the cores
+    this process may run on (its affinity: a job confined to 8 of 64 cores does not count the
+    others' load): Linux's per-core lines of /proc/stat; 0 elsewhere."""
+    mine = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+
     def ticks():
+        total = idle = 0
         with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        return sum(fields), fields[3] + fields[4]  # all, idle + iowait
+            for line in f:
+                name, *fields = line.split()
+                if not name.startswith("cpu") or name == "cpu":
+                    continue
+                if mine is None or int(name[3:]) in mine:
+                    values = [int(x) for x in fields]
+                    total, idle = total + sum(values), idle + values[3] + values[4]
+        return total, idle  # all, idle + iowait
     try:
         (total0, idle0), _, (total1, idle1) = ticks(), time.sleep(seconds), ticks()
     except (OSError, ValueError, IndexError):
         return 0.0
-    cores = os.cpu_count() or 1
+    cores = len(mine) if mine else os.cpu_count() or 1
     return cores * (1 - (idle1 - idle0) / max(1, total1 - total0))
 
 

@@ -271,6 +271,18 @@ def test_cpu_threads_back_off_from_busy_cores_and_omp_num_threads_overrides(core
     assert chosen == threads and says in reason
 
 
+def test_busy_cores_counts_only_the_cores_this_process_may_run_on(monkeypatch):
+    """Review: the load of cores outside this process's affinity (another job's) is not ours to back off from. Four
+    cores, this process on cores 0 and 1; over the interval core 0 is half busy, core 1 idle, cores 2 and 3 fully
+    busy: one half core busy among ours."""
+    import io
+    samples = iter(["cpu  0 0 0 0 0\ncpu0 0 0 0 0 0\ncpu1 0 0 0 0 0\ncpu2 0 0 0 0 0\ncpu3 0 0 0 0 0\nintr 5\n",
+                    "cpu  0 0 0 0 0\ncpu0 50 0 0 50 0\ncpu1 0 0 0 100 0\ncpu2 100 0 0 0 0\ncpu3 100 0 0 0 0\n"])
+    monkeypatch.setattr(distributed, "open", lambda path: io.StringIO(next(samples)), raising=False)
+    monkeypatch.setattr(distributed.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert distributed.busy_cores(0.0) == pytest.approx(0.5)
+
+
 def test_the_start_up_line_says_the_thread_count_and_why(tmp_path):
     """Ours: OMP_NUM_THREADS in the environment of a real run is used and said in the start-up line."""
     done = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--max_steps", "1", *TINY,
