@@ -365,6 +365,30 @@ def test_a_sampled_multi_turn_run_on_such_a_template_has_the_trainers_log_probs(
     torch.testing.assert_close(batch.sampler_logps[mask], logps[mask], atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("template", ["qwen2.5", "qwen3"])
+def test_tool_results_are_the_tokens_trls_grpo_trainer_renders(smollm2_dir, template):
+    """TRL as the oracle: GRPOTrainer._get_tool_suffix_ids (the suffix after a dummy tool-calling turn, trimmed at
+    its EOS) for two tool results, on Qwen2.5's template and, for Qwen3, on the training template TRL swaps in
+    (get_training_chat_template); ours renders Qwen3's own template and gets the same tokens."""
+    import types
+
+    from transformers import AutoTokenizer
+    from trl import GRPOTrainer
+    from trl.chat_template_utils import get_training_chat_template
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    tokenizer.chat_template = {"qwen2.5": QWEN2_5, "qwen3": QWEN3}[template]
+    options = {"enable_thinking": False}
+    trl_template = get_training_chat_template(tokenizer) if template == "qwen3" else None
+    trainer = types.SimpleNamespace(processing_class=tokenizer, chat_template=trl_template, _tokenizer=tokenizer,
+                                    chat_template_kwargs=options, _is_vlm=False)
+    results = [{"role": "tool", "name": "calculator", "content": "5"},
+               {"role": "tool", "name": "calculator", "content": "7"}]
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    loop = environments.MultiTurn(cfg_for(chat_template_kwargs=options), None, None, tokenizer, [eos], 4096)
+    t = environments.Trajectory(None, [{"role": "user", "content": "2 + 3 and 3 + 4?"}], [], 100)
+    assert loop.reply_ids(t, "calls", results, eos) == GRPOTrainer._get_tool_suffix_ids(trainer, results)
+
+
 @requires_vllm
 def test_vllm_colocated_and_server_sample_such_templates_trajectories_as_the_decode_loop(tmp_path, template_model):
     """Greedy (top_k 1; min_tokens 2 and a bias on the end of turn make each turn two tokens) over three turns under
