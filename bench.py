@@ -7,8 +7,9 @@ memory.
                                                   # install trl elsewhere: not a dependency)
     python bench.py --scaling                     # step time vs completion length and model size
     python bench.py --multi_turn --config compute  # 4-turn generation, KV cache kept or not
-    python bench.py --long_tail --config compute  # the training phase on long-tailed lengths:
-                                                  # padded vs --padding_free (and a token budget)
+    python bench.py --long_tail --config compute  # the training passes on long-tailed lengths:
+                                                  # padded vs --padding_free (and a token budget);
+                                                  # with --multi_turn on multi-turn trajectories
     torchrun --standalone --nproc_per_node=2 bench.py --config compute
     python bench.py --config compute --use_vllm   # any other flag goes to train.py
     python bench.py --config smollm2 --use_peft   # LoRA (peft's default targets: q_proj, v_proj)
@@ -54,13 +55,10 @@ import time
 
 import torch
 
-import environments
-import prompting
+import bench_shapes
 import rewards
-import rollout
 import train
 import vllm_rollout
-from batches import Rollout
 from config import EMBEDDED_PRESET
 
 # Qwen2.5-0.5B's shape (tied embeddings, grouped-query attention); its weights are random here
@@ -286,8 +284,9 @@ def main():
                         help="generation over 4-turn trajectories, each trajectory's KV cache kept "
                         "from turn to turn or not")
     parser.add_argument("--long_tail", action="store_true",
-                        help="the training phase alone on 64 completions of 8..512 tokens (mean "
-                        "~128): padded, --padding_free, and with --max_tokens_per_microbatch")
+                        help="the training passes alone on 64 completions of 8..512 tokens (mean "
+                        "~128; --multi_turn: 1..4 turns): padded, --padding_free, and with "
+                        "--max_tokens_per_microbatch (bench_shapes.py)")
     parser.add_argument("--server_cores",
                         help="start a vLLM server pinned to these cores (taskset list, e.g. 1) and "
                         "generate with it; the trainer stays on --trainer_cores")
@@ -314,10 +313,9 @@ def main():
         parser.error(f"--steps {steps}: the first 3 steps are warm-up and dropped; run at least 4")
     if args.scaling:
         return scaling(steps)
-    if args.multi_turn:
-        return multi_turn(c, steps)
-    if args.long_tail:
-        return long_tail(c, args.steps or 5)
+    if args.long_tail or args.multi_turn:  # on the config's model (random)
+        model_dir = build_model(tempfile.mkdtemp(prefix="bench-model-"), c["model"] or TINY)
+        return bench_shapes.run(model_dir, c, args, steps)
     if args.config == "gpu" and args.variant is None:
         sys.exit(0 if gpu_suite(args, c, steps, extra) else 1)
     files = (args.model_dir, None, "task_reward") if args.model_dir else task_files(c)
@@ -575,87 +573,6 @@ def scaling(num_steps):
                   f"{med['time/generation']:.3f} | "
                   f"{med['time/generation'] / med['completions/max_length'] * 1000:.2f} ms | "
                   f"{med['time/forward_backward'] + med['time/optimizer']:.3f} |", flush=True)
-
-
-class Replies:
-    """--multi_turn's environment: the same 31-token reply to each of three model turns."""
-    def __init__(self):
-        self.turns = 0
-
-    def step(self, text):
-        self.turns += 1
-        return "1234567890" * 3 + "=", self.turns == 4
-
-
-def multi_turn(c, num_steps):
-    """Our decode loop alone over 4-turn trajectories of the config's model (random; prompts of 256
-    tokens, replies of 31, turns ending at one of 16 stop tokens, so about 16 tokens each): each
-    trajectory's KV cache kept from turn to turn (DecodeSession) against every turn decoded afresh
-    from the whole trajectory. Median seconds per batch of the config's size."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = build_model(tempfile.mkdtemp(prefix="bench-model-"), c["model"] or TINY)
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    cfg = train.parse_config(["--num_generations", str(c["num_generations"]), "--bf16", "false",
-                              "--max_completion_length", "64", "--generation_kwargs",
-                              json.dumps({"stop_token_ids": list(range(12, 28))})])
-    loop = rollout.DecodeLoop(cfg, model, tokenizer, None, torch.device("cpu"))
-    eos_ids = prompting.eos_token_ids(tokenizer, model, cfg)
-    g = torch.Generator().manual_seed(0)
-    rows = {"prompt": torch.randint(12, 256, (c["batch"] // c["num_generations"], 256),
-                                    generator=g).tolist()}
-    for name, generator in [("kept", loop), ("afresh", argparse.Namespace(
-            generate=loop.generate, device=loop.device))]:
-        turn_loop = environments.MultiTurn(cfg, generator, lambda row: Replies(), tokenizer,
-                                           eos_ids, 512)
-        times = []
-        for step in range(num_steps):
-            start = time.perf_counter()
-            batch = turn_loop.generate(rows, seed=step)
-            times.append(time.perf_counter() - start)
-        print(f"{name:7s} {statistics.median(times[3:]):.3f} s per batch of {c['batch']} "
-              f"(turns {batch.turn_stats['turns'].mean():.2f}, model tokens "
-              f"{batch.model_tokens().sum(-1).float().mean():.1f} a trajectory)", flush=True)
-    shutil.rmtree(path)
-
-
-def long_tail(c, num_steps):
-    """policy_step (forward, backward, optimizer) of the config's model (random, fp32) on one
-    synthetic batch: 64 prompts of 16..32 tokens, completions of 8..512 (cubed uniform: mean ~128,
-    a few near 512), in micro-batches of 16; median s per step after one warm-up, real tokens/s,
-    the share of padding the padded forward computes. On the CPU only."""
-    from transformers import AutoModelForCausalLM
-
-    path = build_model(tempfile.mkdtemp(prefix="bench-model-"), c["model"] or TINY)
-    model = AutoModelForCausalLM.from_pretrained(path)
-    B, L, T, g = 64, 32, 512, torch.Generator().manual_seed(0)
-    lengths = (8 + (T - 8) * torch.rand(B, generator=g) ** 3).long()  # [B]
-    prompt_mask = (torch.arange(L) >= L - torch.randint(16, L + 1, (B,), generator=g)[:, None])
-    batch = Rollout(rows={}, prompt_ids=torch.randint(12, 256, (B, L), generator=g),
-                    prompt_mask=prompt_mask.long(), completion_ids=torch.randint(12, 256, (B, T)),
-                    completion_mask=(torch.arange(T) < lengths[:, None]).long(),
-                    truncated=torch.zeros(B, dtype=torch.bool), completion_lists=[], texts=[])
-    scores = train.Scores(None, None, batch.completion_mask.float(), torch.randn(B, generator=g))
-    real = int(prompt_mask.sum() + lengths.sum())
-    padded = sum(16 * (int(prompt_mask[i:i + 16].sum(-1).max()) + int(lengths[i:i + 16].max()))
-                 for i in range(0, B, 16))
-    print(f"{B} completions, mean length {lengths.float().mean():.0f}, max {int(lengths.max())}; "
-          f"{real} real tokens, padding {1 - real / padded:.0%} of the padded forward's")
-    for flags in ([], ["--padding_free", "true"],
-                  ["--padding_free", "true", "--max_tokens_per_microbatch", "4096"]):
-        cfg = train.parse_config(["--per_device_train_batch_size", "16", "--bf16", "false"] + flags)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-        times = []
-        for _ in range(num_steps + 1):
-            start = time.perf_counter()
-            train.policy_step(cfg, model, optimizer, scheduler, batch, scores)
-            times.append(time.perf_counter() - start)
-        median = statistics.median(times[1:])
-        print(f"{' '.join(flags) or 'padded':58s} {median:8.3f} s/step {real / median:9.0f} "
-              "tokens/s", flush=True)
-    shutil.rmtree(path)
 
 
 if __name__ == "__main__":

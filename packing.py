@@ -7,8 +7,9 @@ The attention is a varlen one, registered with transformers under VARLEN: per-se
 over the cumulative sequence lengths cu_seqlens [b + 1]. (transformers' own packed-sequence
 detection for SDPA builds a dense [1, 1, N, N] mask and computes all N^2 scores: slower than the
 padded batch.) On a GPU, the same keyword arguments (cu_seq_lens_q/k, max_length_q/k) are those
-transformers' flash_attention_2 integration takes for flash_attn_varlen_func; we have not run that
-path, so VARLEN runs SDPA per sequence on every device."""
+transformers' flash_attention_2 integration takes for flash_attn_varlen_func (a test checks the
+names against its _flash_attention_forward, and the int32 offsets the kernel needs); we have not run
+that path, so VARLEN runs SDPA per sequence on every device."""
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -67,7 +68,8 @@ def unpack(per_token, packed):
 
 
 # id(config) -> the attention implementation VARLEN stands in front of ("sdpa"): rows that are
-# not packed (generation, the padded forward) go to it unchanged
+# not packed (generation, the padded forward) go to it unchanged. A copy of a packed model
+# (copy.deepcopy) has a config of its own, not here: it gets sdpa
 BASE = {}
 # True while a packed row goes through the model: its mask function returns no mask
 PACKED_FORWARD = [False]
@@ -80,7 +82,7 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     is recognised by its cu_seq_lens_q, an argument of the layer's call, so a layer recomputed
     in backward (gradient checkpointing) takes the same path."""
     if cu_seq_lens_q is None:
-        base = ALL_ATTENTION_FUNCTIONS[BASE[id(module.config)]]
+        base = ALL_ATTENTION_FUNCTIONS[BASE.get(id(module.config), "sdpa")]
         return base(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                     **kwargs)
     unsupported = [name for name in ("sliding_window", "softcap", "s_aux") if kwargs.get(name)]
@@ -102,7 +104,7 @@ def varlen_mask(config=None, **kwargs):
     implementation's."""
     if PACKED_FORWARD[0]:
         return None
-    return ALL_MASK_ATTENTION_FUNCTIONS[BASE[id(config)]](config=config, **kwargs)
+    return ALL_MASK_ATTENTION_FUNCTIONS[BASE.get(id(config), "sdpa")](config=config, **kwargs)
 
 
 AttentionInterface.register(VARLEN, varlen_attention)

@@ -1,7 +1,9 @@
 """--padding_free and --max_tokens_per_microbatch (packing.py, forward.packed_logps): the packed
-forward's log-probs, entropy and gradients are the padded forward's; micro-batches by token
-budget give the same step."""
+forward's log-probs, entropy and gradients are the padded forward's (LoRA, MoE, multi-turn,
+gradient checkpointing); micro-batches by token budget give the same step, on one process and on
+two, where every rank runs as many."""
 import copy
+import inspect
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ import lora
 import packing
 import train
 from batches import Rollout
+from test_train import worker
 
 VOCAB = 64
 
@@ -48,12 +51,27 @@ def long_tail_batch(B=10, L=7, T=60, seed=0):
                    truncated=torch.zeros(B, dtype=torch.bool), completion_lists=[], texts=[])
 
 
+def multi_turn_batch(seed=4):
+    """long_tail_batch with environment replies inside the longer completions: 5 tokens after each
+    third of the model's (0 in generated_mask), context that stays outside s_i."""
+    batch = long_tail_batch(seed=seed)
+    lengths = batch.completion_mask.sum(-1)  # [B]
+    t = torch.arange(batch.completion_mask.shape[1])
+    replies = torch.zeros_like(batch.completion_mask, dtype=torch.bool)
+    for start in (lengths // 3, 2 * lengths // 3):
+        replies |= (t >= start[:, None]) & (t < start[:, None] + 5) & (lengths[:, None] > 15)
+    batch.generated_mask = (~replies).long()
+    assert batch.model_tokens().sum() < batch.completion_mask.sum() - 20
+    return batch
+
+
 def logps_and_grads(model, batch, padding_free, chunked=None):
-    """logps, entropy [B, T] and the gradients of a weighted sum of the sequence log-probs."""
+    """logps, entropy [B, T] and the gradients of a weighted sum of the sequence log-probs s_i
+    (over the model's tokens: multi-turn, not the environment's)."""
     model.zero_grad()
     logps, entropy, T, _ = forward.forward_logps(model, batch, slice(None), 0.7, chunked=chunked,
                                                  padding_free=padding_free)
-    mask = batch.completion_mask[:, :T].float()
+    mask = batch.model_tokens()[:, :T].float()
     weights = torch.linspace(-1, 1, len(mask))
     ((logps * mask).sum(-1) * weights).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -80,6 +98,18 @@ def test_packed_forward_equals_padded_in_logps_entropy_and_gradients(kind, chunk
     assert model.config._attn_implementation == packing.VARLEN
     again = logps_and_grads(model, batch, padding_free=False, chunked=chunked)
     assert all(torch.equal(a, b) for a, b in zip(again[:2], padded[:2]))
+
+
+def test_a_copy_of_a_model_after_a_packed_forward_still_runs_padded_and_packed():
+    """Review: a copy.deepcopy of the model (a reference made from the policy, a user's EMA) after a packed forward
+    raised KeyError in the mask function, its config unknown to packing.BASE; it now falls back to sdpa."""
+    import copy
+    model, batch = tiny("qwen2"), long_tail_batch()
+    padded = logps_and_grads(model, batch, padding_free=False)
+    logps_and_grads(model, batch, padding_free=True)
+    twin = copy.deepcopy(model)
+    assert_same(logps_and_grads(twin, batch, padding_free=False), padded)
+    assert_same(logps_and_grads(twin, batch, padding_free=True), padded)
 
 
 def test_packed_forward_equals_padded_with_lora():
@@ -190,3 +220,97 @@ def test_recurrent_layers_are_refused_in_one_line():
     with pytest.raises(ValueError, match="recurrent ones would carry state"):
         packing.check_packable(config)
     packing.check_packable(LlamaConfig(num_hidden_layers=2))  # attention only: packable
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_multi_turn_packed_equals_padded_and_environment_tokens_stay_context(kind):
+    """Multi-turn trajectories: the environment's replies go through the model as context (their
+    log-probs are computed) but are outside s_i: packed and padded agree on every completion
+    token, on the entropy and gradients over the model's tokens, on a whole policy_step, and the
+    environment's tokens get no gradient."""
+    model, batch = tiny(kind), multi_turn_batch()
+    assert_same(logps_and_grads(model, batch, True), logps_and_grads(model, batch, False))
+    everything = copy.copy(batch)
+    everything.generated_mask = None
+    with torch.no_grad():
+        got, want = [forward.forward_logps(model, everything, slice(None), 0.7,
+                                           padding_free=padding_free)[0] * batch.completion_mask
+                     for padding_free in (True, False)]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # environment tokens too
+    cfg = train.parse_config([])
+    cfg.per_device_train_batch_size, cfg.max_grad_norm, cfg.beta = 4, 0.0, 0.0
+    advantages = torch.linspace(-1, 1, len(batch.completion_mask))
+    steps = []
+    for padding_free in (False, True):
+        cfg.padding_free = padding_free
+        m = tiny(kind)  # the same weights (a copy after a packed forward lost its base attention)
+        optimizer = torch.optim.SGD(m.parameters(), lr=1.0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+        scores = train.Scores(None, None, batch.model_tokens().float(), advantages)
+        seq_logps, stats, _, _ = train.policy_step(cfg, m, optimizer, scheduler, batch, scores)
+        weights = torch.cat([p.detach().flatten() for p in m.parameters()])
+        steps.append((weights, seq_logps, stats["entropy"], stats["tokens"]))
+    for got, want in zip(steps[1], steps[0]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert steps[1][3] == batch.model_tokens().sum()
+    logps, _, T, _ = forward.forward_logps(model, batch, slice(None), 1.0, padding_free=True)
+    logps.retain_grad()
+    ((logps * batch.model_tokens()[:, :T]).sum(-1) * advantages).sum().backward()
+    replies = batch.completion_mask.bool() & ~batch.generated_mask.bool()
+    assert (logps.grad[replies[:, :T]] == 0).all()
+    assert (logps.grad[batch.model_tokens()[:, :T].bool()] != 0).all()
+
+
+def test_two_process_packed_step_equals_padded_step(tmp_path):
+    """tests/dist_worker.py's step (2 FSDP2 ranks on gloo, fp32, gradient checkpointing, a
+    reference forward first): padded micro-batches of 4 vs packed ones of at most 24 tokens, for
+    which rank 0's 8 sequences fit in 3 and rank 1's in 4; rank 0 splits one so both run 4 (else
+    FSDP2's collectives would not pair up). Same loss, gradient norm and updated weights."""
+    fp32 = ["--bf16", "false"]
+    padded = worker(tmp_path / "padded.pt", True, *fp32)
+    packed = worker(tmp_path / "packed.pt", True, *fp32, "--padding_free", "true",
+                    "--max_tokens_per_microbatch", "24")
+    assert abs(padded["loss"]) > 1e-3
+    assert packed["loss"] == pytest.approx(padded["loss"], rel=1e-5, abs=1e-6)
+    assert packed["grad_norm"] == pytest.approx(padded["grad_norm"], rel=1e-5)
+    diff = max((padded["state"][k] - packed["state"][k]).abs().max().item()
+               for k in padded["state"])
+    assert diff < 1e-6, diff
+
+
+def test_every_rank_runs_as_many_micro_batches_as_the_busiest_with_one_all_reduce(monkeypatch):
+    """The rank whose sequences fit in fewer micro-batches splits its largest until it has the
+    count the all-reduce returns (another rank's 6 here), each row in exactly one; the scoring,
+    reference and policy passes over the same batch and rows share that one all-reduce."""
+    batch, asked = long_tail_batch(B=8), []
+
+    def busiest(extremes):
+        asked.append(extremes)
+        return {"max/groups": torch.tensor(6.0)}
+
+    monkeypatch.setattr(forward.distributed, "reduce_extremes", busiest)
+    mbs = forward.training_micro_batches(batch, slice(0, 8), 4, 70)
+    assert len(forward.first_fit_decreasing(
+        (batch.prompt_mask.sum(-1) + batch.completion_mask.sum(-1)).tolist(), 70)) < 6
+    assert len(mbs) == 6 and sorted(torch.cat(mbs).tolist()) == list(range(8))
+    for _ in range(2):
+        assert forward.training_micro_batches(batch, slice(0, 8), 4, 70) is mbs
+    assert len(asked) == 1
+    forward.training_micro_batches(copy.copy(batch), slice(0, 8), 4, 70)  # the next step's
+    assert len(asked) == 2
+
+
+def test_the_packed_attention_arguments_are_those_flash_attention_varlen_takes():
+    """On a GPU transformers' flash_attention_2 passes cu_seq_lens_q/k and max_length_q/k on to
+    flash_attn_varlen_func as cu_seqlens_q/k, max_seqlen_q/k (modeling_flash_attention_utils.py):
+    the names are its parameters; the kernel needs int32 offsets from 0 to N and an int maximum."""
+    from transformers.modeling_flash_attention_utils import _flash_attention_forward
+
+    batch = long_tail_batch()
+    packed = packing.pack(batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                          batch.completion_mask)
+    kwargs = packed.attention_kwargs()
+    assert set(kwargs) <= set(inspect.signature(_flash_attention_forward).parameters)
+    cu = kwargs["cu_seq_lens_q"]
+    assert cu.dtype == torch.int32 and cu[0] == 0 and cu[-1] == packed.input_ids.shape[1]
+    assert isinstance(kwargs["max_length_q"], int) and kwargs["max_length_q"] == cu.diff().max()
