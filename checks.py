@@ -11,7 +11,8 @@ import os
 import torch
 from transformers import get_scheduler
 
-from config import Config, fail, generation_steps, sampler_logps_exact
+from config import GENERATION_KWARGS, Config, fail, generation_steps
+from sampler_rules import replays_filters, sampler_logps_exact
 
 
 def check_config(cfg, world_size=1):
@@ -51,6 +52,7 @@ def check_config(cfg, world_size=1):
     elif cfg.vllm_structured_outputs_regex:
         fail("--vllm_structured_outputs_regex is vLLM's guided decoding: add --use_vllm")
     check_importance_sampling(cfg)
+    check_replay(cfg)
     check_model_options(cfg)
     check_async_and_dynamic(cfg)
 
@@ -115,6 +117,23 @@ def check_logging(cfg):
              f"{json.dumps(cfg.lr_scheduler_kwargs)}: {str(e).splitlines()[0]}")
 
 
+def check_replay(cfg):
+    """--replay_sampling_mask: the trainer recomputes the kept set from the policy's logits / T
+    alone, so nothing else may shape the logits before the filters (README: Off-policy)."""
+    if not cfg.replay_sampling_mask:
+        return
+    if not replays_filters(cfg):
+        fail("--replay_sampling_mask replays top_k, top_p or min_p, and none is set: drop it")
+    extra = cfg.generation_kwargs if isinstance(cfg.generation_kwargs, dict) else {}
+    shaped = [k for k in GENERATION_KWARGS if k != "stop_token_ids" and extra.get(k)]
+    shaped += ["repetition_penalty"] if cfg.repetition_penalty != 1.0 else []
+    shaped += ["vllm_structured_outputs_regex"] if cfg.vllm_structured_outputs_regex else []
+    shaped += ["environment/tools"] if cfg.environment or cfg.tools else []
+    if shaped:
+        fail(f"--replay_sampling_mask with {shaped[0]}: the kept set then depends on more than "
+             "the policy's logits, which the trainer cannot recompute; drop one of them")
+
+
 def check_vllm(cfg, world_size):
     """vLLM is installed, and its mode can do what the other flags ask."""
     if importlib.util.find_spec("vllm") is None:
@@ -127,7 +146,8 @@ def check_vllm(cfg, world_size):
         fail(f"{corrections[0]} needs vLLM's log-probs of log_softmax(logits / T), "
              "which vLLM cannot report with repetition_penalty, top_k, top_p, min_p, "
              "generation_kwargs other than stop_token_ids or a structured-outputs regex (and, in "
-             "server mode, at any temperature with them): drop those or the correction")
+             "server mode, at any temperature with them): drop those or the correction (top_k, "
+             "top_p and min_p are fine with --replay_sampling_mask)")
     if cfg.vllm_server_base_url and cfg.vllm_mode != "server":
         fail("--vllm_server_base_url is the address of a vLLM server: add --vllm_mode server")
     if cfg.vllm_mode == "server" and (cfg.generation_kwargs or {}).get("bad_words_ids"):
@@ -197,7 +217,7 @@ def check_async_and_dynamic(cfg):
         fail("--async_generation corrects stale batches with the server's log-probs of "
              "log_softmax(logits / T), which vLLM cannot report with repetition_penalty, top_k, "
              "top_p, min_p, generation_kwargs other than stop_token_ids or a structured-outputs "
-             "regex: drop them")
+             "regex: drop them (or keep top_k/top_p/min_p with --replay_sampling_mask)")
     if cfg.dynamic_sampling:
         fail("--dynamic_sampling with --async_generation is not supported: its extra rounds would "
              "mix weights of different steps in one batch; use one of them")

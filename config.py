@@ -307,6 +307,11 @@ class Config:
         "Keep only the k most likely tokens (0: off).")
     min_p: float | None = arg(None, between(0, 1),
         "Drop tokens below min_p times the top token's probability.")
+    replay_sampling_mask: bool = arg(False,
+        "With top_k/top_p/min_p: the sampler's and the trainer's log-probs are both of the "
+        "truncated, renormalised distribution the tokens were drawn from (the kept set recomputed "
+        "from the trainer's logits, vLLM's order), not of the full softmax (verl's and SkyRL's "
+        "fix of the bias in TRL issue 6789). Off: the trainer scores the full distribution.")
     repetition_penalty: float = arg(1.0, greater_than(0),
         "Penalty (> 1) on tokens already in the prompt or completion. With vLLM, it and "
         "top_k/top_p/min_p cost one no-grad policy forward per step when beta > 0 (vLLM cannot "
@@ -617,47 +622,3 @@ def generation_steps(cfg, world_size=1):
     if cfg.generation_batch_size:
         return max(1, cfg.generation_batch_size // (cfg.per_device_train_batch_size * world_size))
     return cfg.steps_per_generation or cfg.gradient_accumulation_steps
-
-
-# ---------------------------------------------------------------------------------------------
-# Which log-probs the sampler reports: the one rule both generators and the trainer follow
-# ---------------------------------------------------------------------------------------------
-
-def vllm_logprobs_mode(cfg, vision=False):
-    """raw_logprobs (log_softmax of the raw logits) is log pi_T at T = 1 whatever the penalty and
-    filters; otherwise processed_logprobs, log pi_T when neither is set. A VLM's placeholder
-    suppression is a logit bias that only processed_logprobs include."""
-    return "raw_logprobs" if cfg.temperature == 1.0 and not vision else "processed_logprobs"
-
-
-def sampler_logps_exact(cfg, vision=False):
-    """Whether the generator reports log pi_T = log_softmax(z / T), the trainer's log-probs.
-
-    Our decode loop always does. vLLM's `processed_logprobs` come after the repetition penalty and
-    top-k/top-p/min-p (renormalised over the kept tokens: a KL biased by -log(kept mass) per token)
-    and `raw_logprobs` at temperature 1, so vLLM's are used only where they are that quantity: with
-    no penalty and no filter, or raw ones from a colocated text engine (a server runs its own mode).
-    """
-    if not cfg.use_vllm:
-        return True
-    extra = cfg.generation_kwargs if isinstance(cfg.generation_kwargs, dict) else {}
-    # every option but extra stop ids changes the logits vLLM's processed log-probs are taken from
-    shaped = [k for k in GENERATION_KWARGS if k != "stop_token_ids" and extra.get(k)]
-    plain = (cfg.repetition_penalty == 1.0 and not cfg.top_k and cfg.top_p >= 1.0
-             and cfg.min_p is None and not shaped and not cfg.vllm_structured_outputs_regex)
-    # guided decoding masks the logits before vLLM's sampler sees them: raw ones too
-    raw = (cfg.vllm_mode == "colocate" and vllm_logprobs_mode(cfg, vision) == "raw_logprobs"
-           and not cfg.vllm_structured_outputs_regex)
-    return plain or raw
-
-
-def weights_dtype(cfg):
-    """The dtype the weights are kept in: --model_init_kwargs' dtype (a name such as "bfloat16"),
-    else float32."""
-    return str((cfg.model_init_kwargs or {}).get("dtype", "float32")).removeprefix("torch.")
-
-
-def low_precision(cfg):
-    """bf16 compute or weights kept below fp32: kernels of another batch shape give other
-    log-probs."""
-    return cfg.bf16 or cfg.load_in_4bit or weights_dtype(cfg) != "float32"

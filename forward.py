@@ -2,6 +2,7 @@
 (paper §3), through a chunked head that never holds [b, T, V] logits. Its numbers must agree with
 the sampler's (rollout.py records log softmax(logits / T) of the same tokens)."""
 import warnings
+import weakref
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -11,11 +12,17 @@ from torch.utils.checkpoint import checkpoint
 
 import distributed
 import packing
-from rloo import token_logps_and_entropy
+from rloo import sampling_mask, token_logps_and_entropy
 
 
 def micro_batches(batch_size, micro_size):
     return [slice(i, i + micro_size) for i in range(0, batch_size, micro_size)]
+
+
+# the last batch's token-budget micro-batches by (rows, budget): its scoring, reference and policy
+# passes share one all-reduce. Every rank makes the same calls in the same order with a batch of
+# its own, so all ranks find an entry or all compute it (and meet in the all-reduce).
+SPLITS = {"batch": lambda: None}
 
 
 def training_micro_batches(batch, rows, micro_size, max_tokens=None):
@@ -26,11 +33,18 @@ def training_micro_batches(batch, rows, micro_size, max_tokens=None):
     if max_tokens is None:
         return [slice(s.start + rows.start, s.stop + rows.start)
                 for s in micro_batches(rows.stop - rows.start, micro_size)]
-    lengths = batch.prompt_mask[rows].sum(-1) + batch.completion_mask[rows].sum(-1)  # [n]
-    groups = first_fit_decreasing(lengths.tolist(), max_tokens)
-    most = {"max/groups": torch.tensor(float(len(groups)), device=lengths.device)}
-    groups = split_into(groups, int(distributed.reduce_extremes(most)["max/groups"]))
-    return [torch.tensor(sorted(group), device=lengths.device) + rows.start for group in groups]
+    if SPLITS["batch"]() is not batch:  # a weak reference: the batch is not kept alive
+        SPLITS.clear()
+        SPLITS["batch"] = weakref.ref(batch)
+    key = (rows.start, rows.stop, max_tokens)
+    if key not in SPLITS:
+        lengths = batch.prompt_mask[rows].sum(-1) + batch.completion_mask[rows].sum(-1)  # [n]
+        groups = first_fit_decreasing(lengths.tolist(), max_tokens)
+        most = {"max/groups": torch.tensor(float(len(groups)), device=lengths.device)}
+        groups = split_into(groups, int(distributed.reduce_extremes(most)["max/groups"]))
+        SPLITS[key] = [torch.tensor(sorted(group), device=lengths.device) + rows.start
+                       for group in groups]
+    return SPLITS[key]
 
 
 def first_fit_decreasing(lengths, budget):
@@ -96,7 +110,7 @@ def forward_logps(model, batch, rows, temperature, chunked=None, router_aux=Fals
                 pixel_inputs[key] = torch.cat([pixel_inputs[key], text], 1)
         if hasattr(getattr(model, "model", None), "get_rope_index"):
             position_ids = None
-    head = LogpsHead(completion_ids, temperature, batch.suppressed_ids)
+    head = LogpsHead(completion_ids, temperature, batch.suppressed_ids, batch.sampling_filter)
     chunked = plain_head(model) if chunked is None else chunked
     if router_aux:
         pixel_inputs["output_router_logits"] = True
@@ -121,7 +135,8 @@ def packed_logps(model, batch, rows, temperature, chunked=None, router_aux=False
     packed = packing.pack(batch.prompt_ids[rows], batch.prompt_mask[rows],
                           batch.completion_ids[rows, :completion_len],
                           completion_mask[:, :completion_len])
-    head = LogpsHead(packed.targets[None], temperature, batch.suppressed_ids, packed=True)
+    head = LogpsHead(packed.targets[None], temperature, batch.suppressed_ids,
+                     batch.sampling_filter, packed=True)
     chunked = plain_head(model) if chunked is None else chunked
     extra = {"output_router_logits": True} if router_aux else {}
     with packing.packed_forward(base_of(model)), \
@@ -159,11 +174,14 @@ class LogpsHead(torch.nn.Module):
     so one chunk of logits is alive at most: b * T * V * 8 bytes less (40 GB at b=8, T=4096,
     V=152k). Image placeholders (suppressed) are never sampled, so they are not in the policy's
     distribution either (finite, for the entropy). packed: hidden [1, M, H] are already the
-    positions that predict targets [1, M] (a packed row's, selected by logits_to_keep)."""
+    positions that predict targets [1, M] (a packed row's, selected by logits_to_keep).
+    replayed: (top_k, top_p, min_p) of --replay_sampling_mask, the kept set recomputed per chunk
+    from the chunk's logits (rloo.sampling_mask), so log pi_T is the truncated distribution's."""
 
-    def __init__(self, targets, temperature, suppressed=None, packed=False):
+    def __init__(self, targets, temperature, suppressed=None, replayed=None, packed=False):
         super().__init__()
         self.targets, self.temperature, self.suppressed = targets, temperature, suppressed
+        self.replayed = replayed
         self.packed, self.lm_head = packed, None
 
     def forward(self, hidden):
@@ -199,7 +217,16 @@ class LogpsHead(torch.nn.Module):
             logits = logits.index_fill(-1, self.suppressed, -1e30)
         if logits.dim() == 2:
             return self.score(logits[None], targets[None])[0]
-        return torch.stack(token_logps_and_entropy(logits, targets, self.temperature), -1)
+        temperature = self.temperature
+        if self.replayed is not None:  # z / T over the kept set; -1e30, not -inf: a finite entropy
+            logits, temperature = logits.float() / temperature, 1.0
+            with torch.no_grad():
+                kept = sampling_mask(logits, *self.replayed)  # [b, t, V], one chunk's
+                # a token the sampler kept at the boundary that these logits drop (other kernels,
+                # bf16) stays in: its log-prob is then of a slightly larger set, not -1e30
+                kept.scatter_(-1, targets[..., None], True)
+            logits = logits.masked_fill(~kept, -1e30)
+        return torch.stack(token_logps_and_entropy(logits, targets, temperature), -1)
 
 
 class ChunkedHead(torch.autograd.Function):

@@ -150,3 +150,29 @@ def off_policy_mask(advantages, sampler_logps, logps, mask, threshold):
     bool."""
     kl = ((sampler_logps - logps) * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [B]
     return (advantages >= 0) | (kl <= threshold)
+
+
+def sampling_mask(z, top_k=0, top_p=1.0, min_p=None):
+    """The tokens vLLM's sampler keeps from z = logits / T [n, V] (fp32), in its order: min-p
+    (p >= min_p * p_max), then top-k (ties with the k-th logit kept), then top-p over what is left:
+    sorted ascending, a token is dropped while the mass up to and including it is <= 1 - top_p,
+    the top token always kept (vllm/v1/sample/ops/topk_topp_sampler.py). With
+    --replay_sampling_mask the sampler draws from, and the trainer scores, softmax(z) renormalised
+    over these.  -> [n, V]"""
+    keep = torch.ones_like(z, dtype=torch.bool)
+    if min_p is not None:
+        probs = torch.softmax(z, -1)
+        keep &= probs >= min_p * probs.amax(-1, keepdim=True)
+    z = z.masked_fill(~keep, float("-inf"))
+    top_k = top_k if top_k and top_k < z.shape[-1] else 0
+    if top_p >= 1.0:
+        return keep & (z >= z.topk(top_k, -1).values[..., -1:]) if top_k else keep
+    # vLLM sorts once and applies both in sorted order: tied logits keep its (sort's) order
+    sorted_z, order = z.sort(-1)  # [n, V] ascending
+    if top_k:
+        kth = sorted_z[..., -top_k:].narrow(-1, 0, 1)  # [n, 1]
+        sorted_z = sorted_z.masked_fill(sorted_z < kth, float("-inf"))
+    dropped = torch.softmax(sorted_z, -1).cumsum(-1) <= 1 - top_p  # [n, V]
+    dropped[..., -1] = False
+    dropped |= sorted_z == float("-inf")
+    return keep & ~dropped.scatter(-1, order, dropped)

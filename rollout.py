@@ -21,6 +21,7 @@ from batches import Rollout
 from forward import micro_batches
 from prompting import (eos_token_ids, image_token_ids, pad, pixel_inputs_for, prompt_tensors,
                      row_images, tokenize_prompts)
+from sampler_rules import sampling_filter
 from sampler import inverse_cdf, row_keys, row_uniforms, sampling_processors, with_bad_word_ids
 
 
@@ -131,16 +132,18 @@ def generate(model, tokenizer, rows, cfg, device, processor=None, seed=None, dec
     finally:
         model.train(was_training)
     rollout = finish(rows, prompt_ids, prompt_mask, completion_ids, sampler_logps, eos_ids,
-                     tokenizer)
+                     tokenizer, sampling_filter(cfg))
     if images is not None:
         rollout.pixel_inputs = rows_inputs
         rollout.suppressed_ids = torch.tensor(image_token_ids(processor), device=device)
     return rollout
 
 
-def finish(rows, prompt_ids, prompt_mask, completion_ids, sampler_logps, eos_ids, tokenizer):
+def finish(rows, prompt_ids, prompt_mask, completion_ids, sampler_logps, eos_ids, tokenizer,
+           replayed=None):
     """Every backend ends here: completions cut at the first EOS, masked, listed unpadded and
-    decoded -> Rollout. sampler_logps None: the backend cannot report log pi_T."""
+    decoded -> Rollout. sampler_logps None: the backend cannot report log pi_T. replayed: the
+    (top_k, top_p, min_p) the log-probs are truncated to (sampler_rules.sampling_filter)."""
     completion_ids, completion_mask, truncated = completion_masks(completion_ids, eos_ids,
                                                                   tokenizer.pad_token_id)
     lengths = completion_mask.sum(-1).tolist()
@@ -148,9 +151,11 @@ def finish(rows, prompt_ids, prompt_mask, completion_ids, sampler_logps, eos_ids
     completion_ids, completion_mask = completion_ids[:, :width], completion_mask[:, :width]
     lists = [ids[:n] for ids, n in zip(completion_ids.tolist(), lengths)]
     if sampler_logps is not None:
-        sampler_logps = sampler_logps[:, :width] * completion_mask
+        # where(), not a product: padding sampled outside a replayed kept set has log-prob -inf
+        sampler_logps = torch.where(completion_mask.bool(), sampler_logps[:, :width], 0.0)
     return Rollout(rows, prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, lists,
-                   tokenizer.batch_decode(lists, skip_special_tokens=True), sampler_logps)
+                   tokenizer.batch_decode(lists, skip_special_tokens=True), sampler_logps,
+                   sampling_filter=replayed)
 
 
 def completion_masks(completion_ids, eos_ids, pad_id):
@@ -326,6 +331,7 @@ def decode(model, prompt_ids, prompt_mask, cfg, eos_ids, pad_id, keys, static=No
     ids[:, L - E:L], mask[:, L - E:L] = prompt_ids, prompt_mask
     positions = (mask[:, :L].cumsum(-1) - 1).clamp(min=0)[:, L - E:]  # a row's own tokens count
     processors = sampling_processors(cfg, ids[:, :L], eos_ids)
+    replay = sampling_filter(cfg) is not None
     eos = torch.tensor(eos_ids, device=prompt_ids.device)
     out = model(input_ids=prompt_ids, attention_mask=mask if static else mask[:, :L],
                 position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -341,7 +347,8 @@ def decode(model, prompt_ids, prompt_mask, cfg, eos_ids, pad_id, keys, static=No
         probs = torch.softmax(scores, -1)  # [B, V]
         token = inverse_cdf(probs, row_uniforms(keys, t))  # [B]
         token = token.masked_fill(ended, pad_id)
-        log_pi = torch.log_softmax(logits / cfg.temperature, -1)
+        # --replay_sampling_mask: log pi_T over the kept set (the filters are the last processors)
+        log_pi = torch.log_softmax(scores if replay else logits / cfg.temperature, -1)
         logps[:, t] = log_pi.gather(-1, token[:, None])[:, 0]
         ids[:, L + t], own = token, ~ended  # the EOS is the row's own token, what follows is not
         ended |= torch.isin(token, eos)
@@ -447,6 +454,9 @@ def generate_hf(model, inputs, cfg, eos_ids, pad_id, suppress):
     try:
         processors = [SuppressTokensLogitsProcessor(suppress), record]
         processors += sampling_processors(cfg, inputs["input_ids"], eos_ids)
+        if sampling_filter(cfg):  # the kept set's log-probs: recorded after the filters, at T
+            record = RecordLogps(1.0)
+            processors = processors[:1] + processors[2:] + [record]
         sequences = model.generate(**inputs, logits_processor=LogitsProcessorList(processors))
     finally:
         model.generation_config = shipped_config

@@ -15,6 +15,8 @@ from transformers.generation.logits_process import (
 )
 
 from config import fail
+from rloo import sampling_mask
+from sampler_rules import sampling_filter
 
 
 def sampling_processors(cfg, prompt_ids, eos_ids):
@@ -40,6 +42,9 @@ def sampling_processors(cfg, prompt_ids, eos_ids):
         processors.append(RepetitionPenaltyLogitsProcessor(cfg.repetition_penalty))
     if cfg.temperature != 1.0:
         processors.append(TemperatureLogitsWarper(cfg.temperature))
+    if sampling_filter(cfg):  # vLLM's filters, which the training forward replays exactly
+        processors.append(replayed_filters(*sampling_filter(cfg)))
+        return processors
     if cfg.top_k:
         processors.append(TopKLogitsWarper(cfg.top_k))
     if cfg.top_p < 1.0:
@@ -47,6 +52,13 @@ def sampling_processors(cfg, prompt_ids, eos_ids):
     if cfg.min_p is not None:
         processors.append(MinPLogitsWarper(cfg.min_p))
     return processors
+
+
+def replayed_filters(top_k, top_p, min_p):
+    """--replay_sampling_mask: every token outside rloo.sampling_mask gets probability 0."""
+    def truncate(ids, scores):
+        return scores.masked_fill(~sampling_mask(scores, top_k, top_p, min_p), float("-inf"))
+    return truncate
 
 
 def allowed_only(allowed):

@@ -50,7 +50,8 @@ import vllm_rollout  # noqa: E402
 from batches import BatchSource  # noqa: E402
 from checks import check_config  # noqa: E402
 from config import EMBEDDED_PRESET, Config, fail, parse_config  # noqa: E402, F401
-from config import generation_steps, low_precision, sampler_logps_exact  # noqa: E402
+from config import generation_steps  # noqa: E402
+from sampler_rules import low_precision, sampler_logps_exact  # noqa: E402
 from evaluation import eval_config, evaluate  # noqa: E402
 from metrics import (Logger, batch_metrics, completions_table, sampling_sums,  # noqa: E402
                      show_samples, step_metrics, timed)
@@ -186,9 +187,9 @@ class Scores:
 
 def old_logps_from_sampler(cfg, vision=False):
     """Whether the KL's log pi_old can be the sampler's own log-probs: where they are exactly the
-    trainer's (config.sampler_logps_exact) and in fp32. In bf16 the sampler's and the trainer's
-    kernels differ (0.03-0.05 nats per token on SmolLM2-135M), and an async batch's are of older
-    weights: a no-grad forward of the policy computes them (TRL's scoring pass)."""
+    trainer's (sampler_rules.sampler_logps_exact) and in fp32. In bf16 the sampler's and the
+    trainer's kernels differ (0.03-0.05 nats per token on SmolLM2-135M), and an async batch's are
+    of older weights: a no-grad forward of the policy computes them (TRL's scoring pass)."""
     return sampler_logps_exact(cfg, vision) and not low_precision(cfg) and not cfg.async_generation
 
 

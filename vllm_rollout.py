@@ -7,8 +7,8 @@ the policy's newest weights.
 Rollout, push_weights(), close(), over one of the two engines. generate pushes first when an
 optimizer has stepped since the last push (the engine never samples from stale weights), except with
 --async_generation, where batches.py pushes between steps. Both engines sample from token ids and
-return log pi_T of each token where vLLM can report it (config.sampler_logps_exact); otherwise the
-trainer computes it.
+return log pi_T of each token where vLLM can report it (sampler_rules.sampler_logps_exact);
+otherwise the trainer computes it.
 """
 
 import base64
@@ -30,13 +30,14 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import distributed
 import lora
-from config import fail, sampler_logps_exact, vllm_logprobs_mode, weights_dtype
+from config import fail
 from data import embedded_task
 from metrics import timed
 from prompting import (eos_token_ids, image_token_ids, pad, pixel_inputs_for, prompt_tensors,
                        prompt_texts, row_images, tokenize_prompts, with_images)
 from rollout import finish
 from sampler import with_bad_word_ids
+from sampler_rules import sampler_logps_exact, sampling_filter, vllm_logprobs_mode, weights_dtype
 
 
 def make_generator(cfg, model, tokenizer, processor, device, max_images=0, max_model_len=None):
@@ -126,7 +127,7 @@ class VLLMGenerator:
         if samples[0][1] is not None:
             sampler_logps = pad([logps for _, logps in samples], 0.0).float().to(self.device)
         return finish(rows, prompt_ids, prompt_mask, completion_ids, sampler_logps, self.eos_ids,
-                      self.tokenizer)
+                      self.tokenizer, sampling_filter(self.cfg))
 
 
 def vllm_sampling(cfg, eos_ids, logprobs):

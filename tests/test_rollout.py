@@ -19,7 +19,7 @@ CPU = torch.device("cpu")
 def gen_cfg(**overrides):
     base = dict(num_generations=3, max_completion_length=6, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
                 repetition_penalty=1.0, chat_template_kwargs=None, generation_kwargs=None, generation_chunk_size=0,
-                compile_decode=False)
+                compile_decode=False, replay_sampling_mask=False)
     return SimpleNamespace(**{**base, **overrides})
 
 

@@ -20,7 +20,7 @@ B, V = 4, 4096  # B * V above every tensor of the model's but its logits and its
 def gen_cfg(**overrides):
     base = dict(max_completion_length=2, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
                 repetition_penalty=1.0, generation_kwargs=None, generation_chunk_size=0,
-                compile_decode=False)
+                compile_decode=False, replay_sampling_mask=False)
     return SimpleNamespace(**{**base, **overrides})
 
 

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, GptOssConfig, GptOssForCausalLM, 
 
 import checks
 import config
+import sampler_rules
 import data
 import evaluation
 import lora
@@ -396,8 +397,8 @@ def test_generation_kwargs_flags_aliases_and_vllm_sampling_params():
     assert sampling["logit_bias"] == {3: -2.5} and sampling["allowed_token_ids"] == [1, 2, 3]
     for key in ("logit_bias", "allowed_token_ids", "bad_words", "min_tokens"):
         only = dataclasses.replace(cfg, top_k=0, generation_kwargs={key: cfg.generation_kwargs[key]})
-        assert not config.sampler_logps_exact(dataclasses.replace(only, temperature=0.7)), key
-    assert config.sampler_logps_exact(dataclasses.replace(cfg, top_k=0, generation_kwargs={"stop_token_ids": [1]},
+        assert not sampler_rules.sampler_logps_exact(dataclasses.replace(only, temperature=0.7)), key
+    assert sampler_rules.sampler_logps_exact(dataclasses.replace(cfg, top_k=0, generation_kwargs={"stop_token_ids": [1]},
                                                           temperature=0.7))
     _, tokenizer, _ = data.embedded_task(seed=0)
     converted = sampler.with_bad_word_ids(cfg, tokenizer).generation_kwargs

@@ -1,0 +1,65 @@
+"""Which log-probs the sampler reports: the one rule both generators and the trainer follow.
+
+The trainer scores log pi_T = log_softmax(z / T) (or, with --replay_sampling_mask, the truncated
+distribution top-k/top-p/min-p sampled from); a generator's own log-probs stand in for a forward
+only where they are that quantity (sampler_logps_exact). And the precision the weights are kept
+in, which decides whether two kernels give the same log-probs.
+"""
+
+from config import GENERATION_KWARGS
+
+
+def vllm_logprobs_mode(cfg, vision=False):
+    """raw_logprobs (log_softmax of the raw logits) is log pi_T at T = 1 whatever the penalty and
+    filters; otherwise processed_logprobs, log pi_T when neither is set. A VLM's placeholder
+    suppression is a logit bias that only processed_logprobs include."""
+    if replays_filters(cfg):  # the kept set, renormalised: what top-k/top-p/min-p sampled from
+        return "processed_logprobs"
+    return "raw_logprobs" if cfg.temperature == 1.0 and not vision else "processed_logprobs"
+
+
+def replays_filters(cfg):
+    """--replay_sampling_mask with a filter to replay: log-probs are of the truncated
+    distribution (rloo.sampling_mask)."""
+    filtered = cfg.top_k or cfg.top_p < 1.0 or cfg.min_p is not None
+    return bool(cfg.replay_sampling_mask and filtered)
+
+
+def sampling_filter(cfg):
+    """(top_k, top_p, min_p) that the training forward replays, or None."""
+    return (cfg.top_k, cfg.top_p, cfg.min_p) if replays_filters(cfg) else None
+
+
+def sampler_logps_exact(cfg, vision=False):
+    """Whether the generator reports log pi_T = log_softmax(z / T), the trainer's log-probs.
+
+    Our decode loop always does. vLLM's `processed_logprobs` come after the repetition penalty and
+    top-k/top-p/min-p (renormalised over the kept tokens: a KL biased by -log(kept mass) per token)
+    and `raw_logprobs` at temperature 1, so vLLM's are used only where they are that quantity: with
+    no penalty and no filter, or raw ones from a colocated text engine (a server runs its own mode).
+    """
+    if not cfg.use_vllm:
+        return True
+    extra = cfg.generation_kwargs if isinstance(cfg.generation_kwargs, dict) else {}
+    # every option but extra stop ids changes the logits vLLM's processed log-probs are taken from
+    shaped = [k for k in GENERATION_KWARGS if k != "stop_token_ids" and extra.get(k)]
+    # replayed filters: processed log-probs are the kept set's, which the trainer scores too
+    filtered = (cfg.top_k or cfg.top_p < 1.0 or cfg.min_p is not None) and not replays_filters(cfg)
+    plain = (cfg.repetition_penalty == 1.0 and not filtered and not shaped
+             and not cfg.vllm_structured_outputs_regex)
+    # guided decoding masks the logits before vLLM's sampler sees them: raw ones too
+    raw = (cfg.vllm_mode == "colocate" and vllm_logprobs_mode(cfg, vision) == "raw_logprobs"
+           and not cfg.vllm_structured_outputs_regex)
+    return plain or raw
+
+
+def weights_dtype(cfg):
+    """The dtype the weights are kept in: --model_init_kwargs' dtype (a name such as "bfloat16"),
+    else float32."""
+    return str((cfg.model_init_kwargs or {}).get("dtype", "float32")).removeprefix("torch.")
+
+
+def low_precision(cfg):
+    """bf16 compute or weights kept below fp32: kernels of another batch shape give other
+    log-probs."""
+    return cfg.bf16 or cfg.load_in_4bit or weights_dtype(cfg) != "float32"
