@@ -69,19 +69,7 @@ class IncrementEnv:
     def get_reward(self) -> float:
         return float(self.counter == self.target)
 
-    def increment(self, step: int) -> int:
-        """
-        Increment the internal counter.
-
-        Args:
-            step: Value to add to the counter.
-
-        Returns:
-            The updated counter value.
-        """
-        self.counter += step
-        return self.counter
-
+''' + INCREMENT_ENV[INCREMENT_ENV.index("    def increment"):].rstrip() + '''
 
 def counter_read(environments, **kwargs):  # a reward function reading the environments' state
     return [float(e.counter) for e in environments]
@@ -302,14 +290,9 @@ TEMPLATES = {  # name: (build_chat_model's arguments, the reply's tokens after t
 }
 
 
-class Again:
-    """Answers the model's first two turns, so every trajectory has three model turns."""
-    def __init__(self, row):
-        self.turn = 0
-
-    def step(self, text):
-        self.turn += 1
-        return ([{"role": "user", "content": f"again {self.turn}"}], False) if self.turn < 3 else (None, True)
+Again = {}
+exec(THREE_TURNS, Again)  # test_multiturn's environment: user replies to the first two model turns
+Again = Again["Again"]
 
 
 @pytest.fixture(scope="module", params=list(TEMPLATES))
