@@ -7,14 +7,21 @@ training code and imports no other file of the project: every file can import it
 """
 
 import json
+import logging
 import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
-from tqdm import tqdm
-from transformers import HfArgumentParser
+# bitsandbytes (imported by peft, which transformers imports when it is installed) warns at import
+# on CPUs with AVX512-BF16 that a 4-bit kernel package is missing, in every process; it matters
+# only to --load_in_4bit. Quieted before any transformers import of every entry point that comes
+# through here (train.py, which imports transformers first, does the same).
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+
+from tqdm import tqdm  # noqa: E402
+from transformers import HfArgumentParser  # noqa: E402
 
 
 def fail(message):

@@ -11,6 +11,7 @@ import functools
 import inspect
 import math
 import numbers
+import os
 import sys
 import sysconfig
 import threading
@@ -87,12 +88,18 @@ def _validate(name, values, n):
     return out
 
 
+# the files that call user code (rewards.py loads it, this file runs it): not the user's frames
+HERE = os.path.dirname(os.path.abspath(__file__))
+CALLERS = (os.path.join(HERE, "reward_calls.py"), os.path.join(HERE, "rewards.py"))
+
+
 def user_frames(error):
-    """The frames of a traceback outside this file, Python's own library and installed packages: the
+    """The frames of a traceback outside CALLERS, Python's own library and installed packages: the
     user's code."""
     library = tuple(sysconfig.get_paths()[key] for key in ("stdlib", "purelib", "platlib"))
     return [f for f in traceback.extract_tb(error.__traceback__)
-            if f.filename != __file__ and not f.filename.startswith(("<", *library))]
+            if os.path.abspath(f.filename) not in CALLERS
+            and not f.filename.startswith(("<", *library))]
 
 
 def user_error(error):
@@ -108,8 +115,9 @@ def user_error(error):
 
 
 def print_user_traceback(error):
-    """The traceback of the user's own code, without the frames of this file that called it."""
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename != __file__]
+    """The traceback of the user's own code, without the frames of CALLERS that called it."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if os.path.abspath(f.filename) not in CALLERS]
     lines = traceback.format_list(frames) + traceback.format_exception_only(error)
     print("Traceback of the reward function (most recent call last):\n" + "".join(lines), end="",
           file=sys.stderr)
