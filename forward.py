@@ -81,7 +81,7 @@ def forward_logps(model, batch, rows, temperature, chunked=None, router_aux=Fals
     router_aux: also the MoE router's load-balancing loss (the model computes it from its router
     logits, padding excluded). pad_to: the sequence is padded on the right (masked) to a multiple
     of it, which changes no log-prob. padding_free: the rows packed into one (packed_logps).
-    -> logps [b, T], entropy [b, T], T, aux loss or None"""
+    -> logps [b, T], entropy [b, T], T, aux loss or None, boundary flips (scored)"""
     if padding_free and batch.pixel_inputs is None:
         return packed_logps(model, batch, rows, temperature, chunked, router_aux)
     if padding_free:
@@ -120,8 +120,14 @@ def forward_logps(model, batch, rows, temperature, chunked=None, router_aux=Fals
     logits = out.logits
     per_token = logits if chunked else head.score(logits[:, :-1], completion_ids)  # [b, T, 2]
     per_token = per_token[:, :completion_len]
-    aux = out.aux_loss if router_aux else None
-    return per_token[..., 0], per_token[..., 1], completion_len, aux
+    return scored(per_token, completion_len, out.aux_loss if router_aux else None)
+
+
+def scored(per_token, T, aux):
+    """[b, T, C] from LogpsHead.score -> logps, entropy, T, aux, flips ([b, T] 0/1, or None
+    without --replay_sampling_mask)."""
+    flips = per_token[..., 2].detach() if per_token.shape[-1] == 3 else None
+    return per_token[..., 0], per_token[..., 1], T, aux, flips
 
 
 def packed_logps(model, batch, rows, temperature, chunked=None, router_aux=False):
@@ -147,8 +153,7 @@ def packed_logps(model, batch, rows, temperature, chunked=None, router_aux=False
     logits = out.logits[0]  # [M, 2] from LogpsHead, else [M, V]
     per_token = logits if chunked else head.score(logits, packed.targets)  # [M, 2]
     per_token = packing.unpack(per_token, packed)  # [b, T, 2]
-    aux = out.aux_loss if router_aux else None
-    return per_token[..., 0], per_token[..., 1], completion_len, aux
+    return scored(per_token, completion_len, out.aux_loss if router_aux else None)
 
 
 # fp32 elements of one chunk's logits in LogpsHead on a CPU (16 MB); a GPU takes GPU_HEAD_SHARE of
@@ -176,7 +181,8 @@ class LogpsHead(torch.nn.Module):
     distribution either (finite, for the entropy). packed: hidden [1, M, H] are already the
     positions that predict targets [1, M] (a packed row's, selected by logits_to_keep).
     replayed: (top_k, top_p, min_p) of --replay_sampling_mask, the kept set recomputed per chunk
-    from the chunk's logits (rloo.sampling_mask), so log pi_T is the truncated distribution's."""
+    from the chunk's logits (rloo.sampling_mask), so log pi_T is the truncated distribution's; a
+    third channel flags the targets that set dropped (score)."""
 
     def __init__(self, targets, temperature, suppressed=None, replayed=None, packed=False):
         super().__init__()
@@ -197,7 +203,7 @@ class LogpsHead(torch.nn.Module):
             # own under --cast_lm_head_to_fp32: gather, fp32 input) run once, not once per chunk
             head.forward = lambda x: ChunkedHead.apply(x, head.weight, targets, tokens, self.score)
             try:
-                return head(hidden).view(b, T, 2)
+                return head(hidden).view(b, T, -1)
             finally:
                 del head.forward
         # a head with adapters (LoRA, 4-bit): called per chunk
@@ -206,27 +212,31 @@ class LogpsHead(torch.nn.Module):
             args = (hidden[rows], targets[rows])
             pieces.append(checkpoint(self.chunk, *args, use_reentrant=False)
                           if torch.is_grad_enabled() else self.chunk(*args))
-        return torch.cat(pieces).view(b, T, 2)
+        return torch.cat(pieces).view(b, T, -1)
 
     def chunk(self, hidden, targets):
         return self.score(self.lm_head(hidden), targets)
 
     def score(self, logits, targets):
-        """logits [b, t, V] or [n, V] -> [b, t, 2] or [n, 2] (log pi_T, entropy) of the targets."""
+        """logits [b, t, V] or [n, V] -> [b, t, C] or [n, C] (log pi_T, entropy) of the targets;
+        replayed: C = 3, the third 1 where the kept set dropped the target (a boundary flip)."""
         if self.suppressed is not None:
             logits = logits.index_fill(-1, self.suppressed, -1e30)
         if logits.dim() == 2:
             return self.score(logits[None], targets[None])[0]
-        temperature = self.temperature
-        if self.replayed is not None:  # z / T over the kept set; -1e30, not -inf: a finite entropy
-            logits, temperature = logits.float() / temperature, 1.0
-            with torch.no_grad():
-                kept = sampling_mask(logits, *self.replayed)  # [b, t, V], one chunk's
-                # a token the sampler kept at the boundary that these logits drop (other kernels,
-                # bf16) stays in: its log-prob is then of a slightly larger set, not -1e30
-                kept.scatter_(-1, targets[..., None], True)
-            logits = logits.masked_fill(~kept, -1e30)
-        return torch.stack(token_logps_and_entropy(logits, targets, temperature), -1)
+        if self.replayed is None:
+            return torch.stack(token_logps_and_entropy(logits, targets, self.temperature), -1)
+        # z / T over the kept set; -1e30, not -inf: a finite entropy
+        logits = logits.float() / self.temperature
+        with torch.no_grad():
+            kept = sampling_mask(logits, *self.replayed)  # [b, t, V], one chunk's
+            # a token the sampler kept at the boundary that these logits drop (other kernels,
+            # bf16, older weights: a boundary flip) stays in: its log-prob is then of a
+            # slightly larger set, not -1e30; the third channel counts them
+            flipped = ~kept.gather(-1, targets[..., None])
+            kept.scatter_(-1, targets[..., None], True)
+        logits = logits.masked_fill(~kept, -1e30)
+        return torch.stack([*token_logps_and_entropy(logits, targets, 1.0), flipped[..., 0]], -1)
 
 
 class ChunkedHead(torch.autograd.Function):
@@ -303,7 +313,7 @@ def batch_logps(model, batch, cfg):
     for rows in micro_batches(len(logps), per_step):  # update()'s mini-batches
         for mb in training_micro_batches(batch, rows, cfg.per_device_train_batch_size,
                                          cfg.max_tokens_per_microbatch):
-            mb_logps, _, T, _ = forward_logps(model, batch, mb, cfg.temperature,
+            mb_logps, _, T, *_ = forward_logps(model, batch, mb, cfg.temperature,
                                               pad_to=cfg.pad_to_multiple_of,
                                               padding_free=cfg.padding_free)
             logps[mb, :T] = mb_logps

@@ -180,6 +180,8 @@ def step_metrics(sums, grad_norm, scheduler, timings, batch_tokens):
         metrics["sampling/sampling_logp_difference/mean"] = sums["sampler_drift"] / tokens
     if "max/sampler_drift" in sums:
         metrics["sampling/sampling_logp_difference/max"] = sums["max/sampler_drift"]
+    if "replay_flips" in sums:  # share of loss tokens outside the trainer's recomputed kept set
+        metrics["sampling/replay_boundary_flips"] = sums["replay_flips"] / tokens
     if "is_weight" in sums:  # sequence-level importance sampling (TRL's names)
         metrics["sampling/importance_sampling_ratio/mean"] = sums["is_weight"] / sequences
     for stat in ("min", "max"):

@@ -245,7 +245,7 @@ def policy_step(cfg, model, optimizer, scheduler, batch, scores, old_logps=None,
         for i, mb in enumerate(mbs):
             if isinstance(model, FSDPModule):  # reduce-scatter gradients once, at the last one
                 model.set_requires_gradient_sync(i == len(mbs) - 1)
-            logps, entropy, T, aux = forward.forward_logps(  # [b, T]
+            logps, entropy, T, aux, flips = forward.forward_logps(  # [b, T]
                 model, batch, mb, cfg.temperature, router_aux=aux_coef > 0,
                 pad_to=cfg.pad_to_multiple_of, padding_free=cfg.padding_free)
             mask = scores.loss_mask[mb, :T]
@@ -269,6 +269,8 @@ def policy_step(cfg, model, optimizer, scheduler, batch, scores, old_logps=None,
             sums["entropy"] += (entropy * mask).sum()
             sums["tokens"] += mask.sum()
             sums["sequences"] += len(mask)
+            if flips is not None:  # --replay_sampling_mask: sampled tokens this kept set dropped
+                sampling["replay_flips"].append(flips * mask)
             # |log pi_sampler - log pi_old| per token; pi_old this pass's, else scoring's forward's
             forwarded = scores.old_logps is not None and scores.old_logps is not batch.sampler_logps
             if reported and (old_logps is None or forwarded):

@@ -208,7 +208,7 @@ def test_an_fp32_head_is_gathered_once_per_micro_batch_whatever_the_chunk_count(
                 model(input_ids=IDS)
         monkeypatch.setattr(forward, "HEAD_CHUNK_ELEMENTS", tokens * config.vocab_size)
         with counted_gathers(monkeypatch) as count:
-            logps, _, _, _ = forward.forward_logps(model, batch, slice(None), 1.0)
+            logps, _, _, *_ = forward.forward_logps(model, batch, slice(None), 1.0)
             logps.sum().backward()
         counts.append(count["gathers"])
     assert counts == [1 + 2 * 2 + 1] * 3, counts  # the root, 2 layers in forward and backward, the head

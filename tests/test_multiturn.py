@@ -118,7 +118,7 @@ def test_environment_tokens_get_no_gradient():
     environment token and nonzero at the model's."""
     model, _, _ = data.embedded_task(seed=0)
     batch, _, _, generated = trajectory_batch()
-    logps, _, T, _ = forward.forward_logps(model, batch, slice(None), 1.0)
+    logps, _, T, *_ = forward.forward_logps(model, batch, slice(None), 1.0)
     logps.retain_grad()
     cfg = cfg_for(num_generations=2, beta=0.0, bf16=False)
     scores = train.score(cfg, batch, fixed_rewards([1.0, 0.0, 0.3, 0.9]), model, None, step=0)

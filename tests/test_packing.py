@@ -69,7 +69,7 @@ def logps_and_grads(model, batch, padding_free, chunked=None):
     """logps, entropy [B, T] and the gradients of a weighted sum of the sequence log-probs s_i
     (over the model's tokens: multi-turn, not the environment's)."""
     model.zero_grad()
-    logps, entropy, T, _ = forward.forward_logps(model, batch, slice(None), 0.7, chunked=chunked,
+    logps, entropy, T, *_ = forward.forward_logps(model, batch, slice(None), 0.7, chunked=chunked,
                                                  padding_free=padding_free)
     mask = batch.model_tokens()[:, :T].float()
     weights = torch.linspace(-1, 1, len(mask))
@@ -253,7 +253,7 @@ def test_multi_turn_packed_equals_padded_and_environment_tokens_stay_context(kin
     for got, want in zip(steps[1], steps[0]):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert steps[1][3] == batch.model_tokens().sum()
-    logps, _, T, _ = forward.forward_logps(model, batch, slice(None), 1.0, padding_free=True)
+    logps, _, T, *_ = forward.forward_logps(model, batch, slice(None), 1.0, padding_free=True)
     logps.retain_grad()
     ((logps * batch.model_tokens()[:, :T]).sum(-1) * advantages).sum().backward()
     replies = batch.completion_mask.bool() & ~batch.generated_mask.bool()

@@ -202,7 +202,7 @@ def random_batch(b, T, vocab, prompt_len=16):
 
 def logps_and_grads(model, batch, chunked):
     model.zero_grad(set_to_none=True)
-    logps, entropy, _, _ = forward.forward_logps(model, batch, slice(None), 0.9, chunked=chunked)
+    logps, entropy, _, *_ = forward.forward_logps(model, batch, slice(None), 0.9, chunked=chunked)
     (logps * torch.linspace(0.5, 1.5, logps.shape[1])).sum().backward()
     return logps.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -231,7 +231,7 @@ def test_training_forward_memory_is_bounded_well_below_the_logits(smollm2_dir):
     tracker = MemTracker()
     tracker.track_external(model)
     with tracker:
-        logps, _, _, _ = forward.forward_logps(model, batch, slice(None), 1.0)
+        logps, _, _, *_ = forward.forward_logps(model, batch, slice(None), 1.0)
         logps.sum().backward()
     (peak,) = [snapshot["Total"] for snapshot in tracker.get_tracker_snapshot("peak").values()]
     weights = sum(p.numel() * 4 for p in model.parameters())

@@ -49,7 +49,7 @@ def full_logits(model, out):
 def recorded_and_trained(model, tokenizer, cfg, seed=0):
     out = rollout.generate(model, tokenizer, PROMPTS, cfg, CPU, seed=seed)
     with torch.no_grad():
-        trained, _, T, _ = forward.forward_logps(model, out, slice(None), cfg.temperature)
+        trained, _, T, *_ = forward.forward_logps(model, out, slice(None), cfg.temperature)
     return out, out.sampler_logps[:, :T], trained
 
 
@@ -169,3 +169,39 @@ def test_a_colocated_engine_reports_the_kept_sets_log_probs(tmp_path):
     for m in read_metrics(tmp_path / "run"):
         assert m["sampling/sampling_logp_difference/max"] < 1e-5
         assert m["sampling/importance_sampling_ratio/min"] == pytest.approx(1, abs=1e-4)
+        assert m["sampling/replay_boundary_flips"] < 0.01  # the same kept sets
+
+
+def test_a_boundary_flip_is_counted_and_scored_over_the_kept_set_with_the_token():
+    """The trainer's recomputed kept set can drop a token the sampler kept (other kernels, older
+    weights): its log-prob is then over the kept set plus it, flagged in the third channel; the
+    gradient through the chunked head is autograd's of that closed form."""
+    torch.manual_seed(0)
+    n, H, V, T = 12, 8, 30, 0.7
+    head = forward.LogpsHead(torch.randint(V, (1, n)), T, replayed=(4, 1.0, None))
+    head.lm_head = torch.nn.Linear(H, V, bias=False)
+    hidden = torch.randn(1, n + 1, H, requires_grad=True)
+    out = head(hidden)  # [1, n, 3]
+    z = hidden[0, :-1] @ head.lm_head.weight.T / T  # [n, V]
+    targets = head.targets[0]
+    outside = z.detach().argsort(-1, descending=True)[:, 4:].eq(targets[:, None]).any(-1)
+    assert 0 < outside.sum() < n  # both kinds in the batch
+    kept = sampling_mask(z.detach(), 4)
+    kept[torch.arange(n), targets] = True
+    want = z.gather(-1, targets[:, None])[:, 0] - z.masked_fill(~kept, -torch.inf).logsumexp(-1)
+    torch.testing.assert_close(out[0, :, 0], want, rtol=0, atol=1e-5)
+    assert torch.equal(out[0, :, 2], outside.float())
+    got, = torch.autograd.grad(out[..., 0].sum(), hidden, retain_graph=True)
+    expected, = torch.autograd.grad(want.sum(), hidden)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_boundary_flips_are_logged_none_on_policy_some_after_an_update(tmp_path):
+    """On our fp32 loop the first pass recomputes the sampler's kept sets exactly: no flip (the
+    padding after each completion, outside top-3, must not count); the second iteration's weights
+    have moved, and some sampled tokens fall outside their kept sets."""
+    out = run(["--top_k", "3", "--replay_sampling_mask", "true", "--num_iterations", "2",
+               "--max_steps", "2", "--logging_steps", "1", "--output_dir", str(tmp_path)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    first, second = [m["sampling/replay_boundary_flips"] for m in read_metrics(tmp_path)]
+    assert first == 0 and 0.01 < second < 0.9, (first, second)

@@ -85,7 +85,7 @@ def test_sampler_logps_equal_a_full_forward(tiny, knobs):
     torch.manual_seed(1)
     out = rollout.generate(model, tokenizer, {"prompt": ["123=", "4=", "98765="]}, cfg, torch.device("cpu"))
     with torch.no_grad():
-        logps, _, T, _ = forward.forward_logps(model, out, slice(None), cfg.temperature)
+        logps, _, T, *_ = forward.forward_logps(model, out, slice(None), cfg.temperature)
     mask = out.completion_mask[:, :T]
     torch.testing.assert_close(out.sampler_logps[:, :T] * mask, logps * mask, atol=1e-5, rtol=0)
 
@@ -167,7 +167,7 @@ def test_log_probs_through_the_chunked_head_equal_the_full_logits(tiny, monkeypa
     results = []
     for chunked in (True, False):
         model.zero_grad(set_to_none=True)
-        logps, entropy, T, _ = forward.forward_logps(model.train(), batch, slice(None), 0.7, chunked=chunked)
+        logps, entropy, T, *_ = forward.forward_logps(model.train(), batch, slice(None), 0.7, chunked=chunked)
         (logps * batch.completion_mask[:, :T]).sum().backward()
         results.append((logps.detach(), entropy, [p.grad.clone() for p in model.parameters()]))
     torch.testing.assert_close(results[0][0], results[1][0], atol=1e-6, rtol=0)
@@ -424,7 +424,7 @@ def test_vlm_training_forward_reproduces_the_sampler_log_probs(tmp_path, family,
     placeholders = torch.tensor(prompting.image_token_ids(processor))
     assert len(placeholders) and not torch.isin(batch.completion_ids, placeholders).any()
     for rows_slice in forward.micro_batches(6, 3):
-        logps, _, T, _ = forward.forward_logps(model, batch, rows_slice, 1.0)
+        logps, _, T, *_ = forward.forward_logps(model, batch, rows_slice, 1.0)
         mask = batch.completion_mask[rows_slice, :T]
         torch.testing.assert_close(logps * mask, batch.sampler_logps[rows_slice, :T], atol=2e-5, rtol=0)
 

@@ -160,7 +160,7 @@ def hand_built_batch(model, tokenizer):
     batch.completion_ids, batch.completion_mask, batch.truncated = rollout.completion_masks(ids, [eos], pad)
     batch.completion_lists = [row[:int(n)] for row, n in zip(ids.tolist(), batch.completion_mask.sum(-1))]
     with torch.no_grad():
-        logps, _, _, _ = forward.forward_logps(model, batch, slice(None), 1.0)
+        logps, _, _, *_ = forward.forward_logps(model, batch, slice(None), 1.0)
     batch.sampler_logps = logps * batch.completion_mask
     return cfg, batch
 
@@ -207,8 +207,8 @@ def test_kl_from_sampler_logps_equals_two_pass_computation():
     batch = rollout.generate(model, tokenizer, rows, cfg, torch.device("cpu"))
     ours = train.score(cfg, batch, RewardFunctions([rewards.task_reward]), model, ref, 0)
     with torch.no_grad():  # the plain two-pass way: score the policy and the reference on the finished batch
-        old, _, T, _ = forward.forward_logps(model, batch, slice(None), cfg.temperature)
-        ref_logps, _, _, _ = forward.forward_logps(ref, batch, slice(None), cfg.temperature)
+        old, _, T, *_ = forward.forward_logps(model, batch, slice(None), cfg.temperature)
+        ref_logps, _, _, *_ = forward.forward_logps(ref, batch, slice(None), cfg.temperature)
     kl = sequence_kl(old, ref_logps, batch.completion_mask[:, :T])
     assert kl.abs().max() > 0.01  # the reference really differs
     torch.testing.assert_close(ours.kl_sums, kl, atol=1e-4, rtol=1e-4)
@@ -414,7 +414,7 @@ def test_gradient_checkpointing_and_bf16_change_memory_not_math():
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         m.train()
         with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
-            lp, _, _, _ = forward.forward_logps(m, batch, slice(None), 1.0)
+            lp, _, _, *_ = forward.forward_logps(m, batch, slice(None), 1.0)
         (lp * batch.completion_mask).sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in m.parameters()]))
         logps.append(lp.detach())

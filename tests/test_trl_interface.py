@@ -373,7 +373,7 @@ def test_generation_kwargs_shape_what_is_sampled_and_keep_the_log_probs_of_the_p
         batch = rollout.generate(model, tokenizer, dataset[:4], cfg, CPU, seed=0)
         assert all(holds(ids) for ids in batch.completion_lists), name
         with torch.no_grad():
-            logps, _, T, _ = forward.forward_logps(model, batch, slice(None), cfg.temperature)
+            logps, _, T, *_ = forward.forward_logps(model, batch, slice(None), cfg.temperature)
         mask = batch.completion_mask[:, :T].bool()
         torch.testing.assert_close(batch.sampler_logps[:, :T][mask], logps[mask], atol=1e-5, rtol=0)
     plain = config.parse_config(["--num_generations", "16", "--max_completion_length", "6"])
@@ -457,8 +457,8 @@ def test_pad_to_multiple_of_pads_the_forward_and_changes_no_log_prob():
     hook = model.register_forward_pre_hook(lambda m, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]),
                                            with_kwargs=True)
     with torch.no_grad():
-        plain, _, T, _ = forward.forward_logps(model, batch, slice(None), 1.0)
-        padded, _, T_padded, _ = forward.forward_logps(model, batch, slice(None), 1.0, pad_to=8)
+        plain, _, T, *_ = forward.forward_logps(model, batch, slice(None), 1.0)
+        padded, _, T_padded, *_ = forward.forward_logps(model, batch, slice(None), 1.0, pad_to=8)
     hook.remove()
     assert lengths[1] % 8 == 0 and lengths[1] > lengths[0] and T == T_padded
     torch.testing.assert_close(padded, plain, atol=1e-5, rtol=0)

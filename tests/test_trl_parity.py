@@ -131,7 +131,7 @@ def run_ours(policy, ref, tokenizer, completions, opts, monkeypatch, inject=None
                            torch.zeros(completion_ids.shape), prompting.eos_token_ids(tokenizer, model), tokenizer)
     assert batch.completion_lists == completions
     with torch.no_grad():  # the sampler's log-probs: at the first step, the policy's own (no-grad forward)
-        logps, _, T_used, _ = forward.forward_logps(model, batch, slice(None), cfg.temperature)
+        logps, _, T_used, *_ = forward.forward_logps(model, batch, slice(None), cfg.temperature)
     assert T_used == T
     batch.sampler_logps = logps * batch.completion_mask
     out = train.score(cfg, batch, RewardFunctions([make_reward(opts["unscorable"])]), model=model, ref_model=ref,

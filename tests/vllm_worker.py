@@ -45,8 +45,8 @@ report = {"drift": []}
 for step in range(3):
     batch = generator.generate({"prompt": prompts})  # pushes the weights of the last step first
     with torch.no_grad():  # the log-probs vLLM returned vs the trainer's forward on the same (pushed) weights
-        logps, _, T, _ = forward.forward_logps(model, batch, slice(None), cfg.temperature)
-        initial_logps, _, _, _ = forward.forward_logps(initial, batch, slice(None), cfg.temperature)
+        logps, _, T, *_ = forward.forward_logps(model, batch, slice(None), cfg.temperature)
+        initial_logps, _, _, *_ = forward.forward_logps(initial, batch, slice(None), cfg.temperature)
     mask = batch.completion_mask[:, :T]
     report["drift"].append(((batch.sampler_logps[:, :T] - logps).abs() * mask).max().item())
     report["moved"] = ((batch.sampler_logps[:, :T] - initial_logps).abs() * mask).max().item()
