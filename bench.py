@@ -58,7 +58,7 @@ import torch
 import bench_shapes
 import rewards
 import train
-import vllm_rollout
+import vllm_server
 from config import EMBEDDED_PRESET
 
 # Qwen2.5-0.5B's shape (tied embeddings, grouped-query attention); its weights are random here
@@ -550,7 +550,7 @@ def serve(model_dir, server_cores, trainer_cores):
         env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", "OMP_NUM_THREADS": threads,
              "VLLM_CPU_OMP_THREADS_BIND": server_cores})
     atexit.register(lambda: os.killpg(server.pid, signal.SIGTERM))
-    vllm_rollout.wait_for_server(f"http://127.0.0.1:{port}", 600)
+    vllm_server.wait_for_server(f"http://127.0.0.1:{port}", 600)
     cores = {int(c) for c in trainer_cores.split(",")}
     os.sched_setaffinity(0, cores)
     torch.set_num_threads(len(cores))

@@ -15,6 +15,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from config import fail
 
@@ -287,3 +288,22 @@ def wait_for_gloo_workers(timeout=10.0, quiet=0.05):
         if now == before and all(state == "S" for state, _, _ in now.values()):
             return
         before = now
+
+
+def full_weights(model, tensors="state_dict"):
+    """(name, full tensor) one at a time; FSDP2 shards are all-gathered in the same order on every
+    rank, on the GPU (with --cpu_offload the shards live in host memory, and gathering them there
+    would run on gloo). tensors "state_dict": a tied lm_head.weight too (colocated vLLM keeps its
+    own copy of it); "parameters": each tensor once (the weight-transfer engine rejects a tied
+    alias)."""
+    items = model.state_dict().items() if tensors == "state_dict" else model.named_parameters()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else None
+    for name, tensor in items:
+        if isinstance(tensor, DTensor):
+            if device is not None and tensor.device != device:
+                tensor = DTensor.from_local(tensor.to_local().to(device), tensor.device_mesh,
+                                            tensor.placements, shape=tensor.shape,
+                                            stride=tensor.stride())
+            tensor = tensor.full_tensor()
+        yield name, tensor.detach()

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
+import distributed
 from config import fail
 
 # the adapted layers we merge: linear ones (full-precision and 4-bit), parameters (MoE experts)
@@ -182,3 +183,8 @@ def untied_configs(model):
     for config in configs:
         config.tie_word_embeddings = False
     return configs
+
+
+def hf_full_weights(model, tensors="state_dict"):
+    """full_weights in the base architecture's names; with LoRA, merged (lora.hf_weights)."""
+    return hf_weights(distributed.full_weights(model, tensors), model)

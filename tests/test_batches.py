@@ -118,7 +118,7 @@ def test_dynamic_sampling_run_logs_its_metrics_and_checkpoints_the_data_position
 
 
 COUNT_PUSHES = """
-import sys, train, vllm_rollout
+import sys, train, vllm_rollout, vllm_server
 pushes = [0]
 def counted(push):
     def push_and_count(*args):
@@ -126,7 +126,7 @@ def counted(push):
         return push(*args)
     return push_and_count
 vllm_rollout.push_weights_colocate = counted(vllm_rollout.push_weights_colocate)
-vllm_rollout.push_weights_server = counted(vllm_rollout.push_weights_server)
+vllm_server.push_weights_server = counted(vllm_server.push_weights_server)
 train.main(sys.argv[1:])
 print("PUSHES", pushes[0])
 """

@@ -17,7 +17,7 @@ import forward
 import prompting
 import rewards
 import rollout
-import vllm_rollout
+from vllm_server import wait_for_server
 from chat_templates import QWEN2_5, QWEN3
 from conftest import build_chat_model, requires_vllm
 from test_multiturn import THREE_TURNS, ScriptedPolicy
@@ -393,7 +393,7 @@ def test_vllm_colocated_and_server_sample_such_templates_trajectories_as_the_dec
     server = start_server(path, port)
     seen = {}
     try:
-        vllm_rollout.wait_for_server(f"http://127.0.0.1:{port}", timeout=240)
+        wait_for_server(f"http://127.0.0.1:{port}", timeout=240)
         for run_name, flags in [("decode", []), ("colocate", ["--use_vllm"]),
                                 ("server", ["--use_vllm", "--vllm_mode", "server", "--vllm_server_port", str(port)])]:
             log = tmp_path / f"{run_name}.jsonl"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import distributed
-import vllm_rollout
+import vllm_server
 from conftest import requires_vllm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,12 +49,12 @@ def test_one_visible_gpu_never_configures_nccl_weight_transfer(gpus, visible, tr
         assert "CUDA IPC (VLLM_ALLOW_INSECURE_SERIALIZATION=1)" in stderr
     if transfer:  # the trainer takes the server's backend: ipc from a server on its own GPU
         cfg = SimpleNamespace(vllm_weight_sync="auto")
-        assert vllm_rollout.weight_sync_mode(cfg, CUDA, lambda: transfer) == transfer
+        assert vllm_server.weight_sync_mode(cfg, CUDA, lambda: transfer) == transfer
 
 
 def test_weight_sync_follows_the_servers_backend_or_says_what_to_change():
     def mode(flag, backend, device=CUDA):
-        return vllm_rollout.weight_sync_mode(SimpleNamespace(vllm_weight_sync=flag), device, lambda: backend)
+        return vllm_server.weight_sync_mode(SimpleNamespace(vllm_weight_sync=flag), device, lambda: backend)
 
     assert mode("auto", "ipc") == "ipc" and mode("auto", "nccl") == "nccl" and mode("nccl", "nccl") == "nccl"
     assert mode("auto", None, torch.device("cpu")) == "file" and mode("file", "nccl") == "file"
@@ -107,8 +107,8 @@ def test_ipc_buffer_holds_the_largest_weight():
     def meta(*shape):
         return SimpleNamespace(shape=shape, dtype=torch.bfloat16)
 
-    assert vllm_rollout.ipc_buffer_bytes([meta(896, 896), meta(151936, 896)]) == 2**30  # vLLM's bucket
-    assert vllm_rollout.ipc_buffer_bytes([meta(151936, 3584), meta(3584)]) == 151936 * 3584 * 2  # 1.09 GB
+    assert vllm_server.ipc_buffer_bytes([meta(896, 896), meta(151936, 896)]) == 2**30  # vLLM's bucket
+    assert vllm_server.ipc_buffer_bytes([meta(151936, 3584), meta(3584)]) == 151936 * 3584 * 2  # 1.09 GB
 
 
 class TransferCounter:
@@ -127,10 +127,10 @@ class TransferCounter:
 def server_engine(monkeypatch, base_url):
     """ServerEngine against base_url as a GPU trainer would build it, vLLM's transfer engine counted."""
     made = []
-    monkeypatch.setattr(vllm_rollout, "weight_transfer",
+    monkeypatch.setattr(vllm_server, "weight_transfer",
                         lambda backend, *args: made.append(TransferCounter(backend)) or made[-1])
     cfg = SimpleNamespace(vllm_server_base_url=base_url, vllm_server_timeout=60.0, vllm_weight_sync="auto")
-    return vllm_rollout.ServerEngine(cfg, None, CUDA), made
+    return vllm_server.ServerEngine(cfg, None, CUDA), made
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ import prompting
 import rollout
 import train
 from rewards import RewardFunctions
-import vllm_rollout
+from vllm_server import wait_for_server
 from conftest import requires_vllm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -164,7 +164,7 @@ def test_vllm_server_with_filters_gives_the_trainers_log_probs(tmp_path, smollm2
     port = free_port()
     server = start_server(smollm2_dir, port, extra=["--kv-cache-memory-bytes", str(512 * 2**20)])
     try:
-        vllm_rollout.wait_for_server(f"http://127.0.0.1:{port}", timeout=400)
+        wait_for_server(f"http://127.0.0.1:{port}", timeout=400)
         [metrics] = train_run(tmp_path, smollm2_dir, *VLLM, "--vllm_mode", "server", "--vllm_server_port", str(port),
                               *FILTERS)
     finally:

@@ -11,7 +11,7 @@ import models
 import prompting
 import rollout
 import sampler
-import vllm_rollout
+from vllm_server import wait_for_server
 
 CPU = torch.device("cpu")
 
@@ -262,7 +262,7 @@ def vllm_server(chat_model_dir):
     port = free_port()
     proc = start_server(chat_model_dir, port)
     try:
-        vllm_rollout.wait_for_server(f"http://127.0.0.1:{port}", timeout=240)
+        wait_for_server(f"http://127.0.0.1:{port}", timeout=240)
         yield port
     finally:
         os.killpg(proc.pid, signal.SIGTERM)  # the server and its engine processes
@@ -363,7 +363,7 @@ def test_vllm_server_dying_mid_run_stops_training_with_a_clear_error(tmp_path, c
     port = free_port()
     server = start_server(chat_model_dir, port)
     try:
-        vllm_rollout.wait_for_server(f"http://127.0.0.1:{port}", timeout=240)
+        wait_for_server(f"http://127.0.0.1:{port}", timeout=240)
         trainer = subprocess.Popen(
             [sys.executable, os.path.join(ROOT, "train.py"), "--model", str(chat_model_dir), "--dataset",
              os.path.join(ROOT, "tests", "data", "math.jsonl"), "--reward_funcs", "accuracy_reward", "--use_vllm",
@@ -447,7 +447,7 @@ def test_vllm_generates_from_images_and_follows_the_trainer(tmp_path, image_data
         flags = ["--vllm_mode", "server", "--vllm_server_port", str(port)]
     try:
         if server:
-            vllm_rollout.wait_for_server(f"http://127.0.0.1:{port}", timeout=240)
+            wait_for_server(f"http://127.0.0.1:{port}", timeout=240)
         out = subprocess.run(worker + ["--model", model_dir, "--dataset", image_dataset, "--use_vllm", "--reward_funcs",
                                        "tests/vlm_reward.py:color_reward", "--num_generations", "2",
                                        "--per_device_train_batch_size", "4", "--max_completion_length", "6",
