@@ -17,7 +17,8 @@ clip(rho_i) A_i), rho_i = exp(s_i - s_i_old).
 The math is rloo.py; this file says when it runs and on what. Everything else lives where its
 concept does: config.py (flags), data.py (prompts), models.py (loading, FSDP2), lora.py,
 rollout.py (our sampler, the Rollout batch, the training forward) and vllm_rollout.py, rewards.py,
-batches.py (where a step's batch comes from), metrics.py, checkpoint.py, distributed.py.
+batches.py (where a step's batch comes from), metrics.py, checkpoint.py, directories.py,
+distributed.py.
 """
 
 import dataclasses
@@ -38,6 +39,7 @@ from transformers import get_scheduler  # noqa: E402
 
 import checkpoint  # noqa: E402
 import data  # noqa: E402
+import directories  # noqa: E402
 import distributed  # noqa: E402
 import environments  # noqa: E402
 import forward  # noqa: E402
@@ -421,7 +423,7 @@ def main(argv=None):
     cfg = environments.with_tools(parse_config(argv))  # --tools: their schemas in the template
     device = distributed.setup_distributed(cfg.ddp_timeout)
     check_config(cfg, distributed.world_size())
-    checkpoint.check_output_dir(cfg)
+    directories.check_output_dir(cfg)
     dataset, eval_sets, vision = data.load_datasets(cfg)  # data first: cheaper to find it wrong
     model, ref_model, tokenizer, processor, dataset = load_models(
         cfg, dataset, eval_sets, vision, device)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import batches
-import checkpoint
+import directories
 import data
 import rewards
 import train
@@ -31,7 +31,7 @@ def startup_error(args):
     try:
         cfg = train.parse_config(args)
         train.check_config(cfg)
-        checkpoint.check_output_dir(cfg)
+        directories.check_output_dir(cfg)
     except SystemExit as e:
         return str(e)
     return None

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import checkpoint
+import directories
 import models
 import rewards
 import train
@@ -240,7 +240,7 @@ def test_a_chat_template_directory_without_a_template_is_one_line(model_dirs, tm
 
 def startup_error(args):
     """The one line the start-up checks stop with, or None (the config then goes, and its output_dir lock with it)."""
-    return one_line(lambda: checkpoint.check_output_dir(train.parse_config(args)))
+    return one_line(lambda: directories.check_output_dir(train.parse_config(args)))
 
 
 LONG = "x" * 300
@@ -301,8 +301,8 @@ def other_process():
 def write_lock(output_dir, pid, host=None, started="real"):
     os.makedirs(output_dir, exist_ok=True)
     holder = {"pid": pid, "host": host or socket.gethostname(),
-              "started": checkpoint.started(pid) if started == "real" else started}
-    (output_dir / checkpoint.LOCK).write_text(json.dumps(holder))
+              "started": directories.started(pid) if started == "real" else started}
+    (output_dir / directories.LOCK).write_text(json.dumps(holder))
     return holder
 
 
@@ -317,18 +317,18 @@ def test_a_second_run_into_a_live_runs_output_dir_is_refused_and_changes_nothing
         assert error == (f"error: --output_dir '{run}' is in use by another run (pid {other_process.pid} on "
                          f"{socket.gethostname()}): two runs in one directory write over each other's metrics and "
                          "checkpoints; wait for it to end or pass another --output_dir (if no such run exists, "
-                         f"delete {run / checkpoint.LOCK})"), error
+                         f"delete {run / directories.LOCK})"), error
     assert {p: p.read_bytes() for p in run.iterdir()} == before
 
 
 def test_a_run_takes_the_lock_and_gives_it_back_at_its_end(tmp_path):
     run = tmp_path / "new" / "run"
     cfg = train.parse_config(["--output_dir", str(run)])
-    checkpoint.check_output_dir(cfg)
-    holder = json.loads((run / checkpoint.LOCK).read_text())
+    directories.check_output_dir(cfg)
+    holder = json.loads((run / directories.LOCK).read_text())
     assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
     assert startup_error(["--output_dir", str(run)]) is None  # this process again: its own lock
-    assert holder == json.loads((run / checkpoint.LOCK).read_text())  # ... which another check left alone
+    assert holder == json.loads((run / directories.LOCK).read_text())  # ... which another check left alone
     del cfg  # train.main's end: its config goes, the lock with it, and the directories the check made
     assert not (tmp_path / "new").exists()
     (tmp_path / "kept").mkdir()
@@ -344,8 +344,8 @@ def test_a_lock_left_by_a_killed_run_does_not_block_its_resume(tmp_path, other_p
     other_process.kill()
     other_process.wait()
     cfg = train.parse_config(["--output_dir", str(run), "--resume_from_checkpoint", "latest"])
-    checkpoint.check_output_dir(cfg)
-    assert json.loads((run / checkpoint.LOCK).read_text())["pid"] == os.getpid()
+    directories.check_output_dir(cfg)
+    assert json.loads((run / directories.LOCK).read_text())["pid"] == os.getpid()
     assert f"was left by pid {other_process.pid}, which is gone: taking it over" in capsys.readouterr().err
 
 
@@ -369,7 +369,7 @@ def test_which_locks_are_stale(tmp_path, other_process, case):
 
 def test_a_lock_never_written_is_taken_over_once_old(tmp_path):
     """A run killed between creating the lock and writing it leaves an empty file: old, it blocks nothing."""
-    lock = tmp_path / "run" / checkpoint.LOCK
+    lock = tmp_path / "run" / directories.LOCK
     lock.parent.mkdir()
     lock.write_text("")
     os.utime(lock, (0, 0))
@@ -377,7 +377,7 @@ def test_a_lock_never_written_is_taken_over_once_old(tmp_path):
 
 
 def test_a_lock_that_cannot_be_removed_is_one_line_not_a_loop(tmp_path):
-    lock = tmp_path / "run" / checkpoint.LOCK
+    lock = tmp_path / "run" / directories.LOCK
     lock.mkdir(parents=True)  # a directory where the lock file goes
     os.utime(lock, (0, 0))
     error = startup_error(["--output_dir", str(tmp_path / "run")])
