@@ -11,8 +11,8 @@ import os
 import torch
 from transformers import get_scheduler
 
-from config import GENERATION_KWARGS, Config, fail, generation_steps
-from sampler_rules import replays_filters, sampler_logps_exact
+from config import Config, fail, generation_steps
+from sampler_rules import logit_shapers, replays_filters, sampler_logps_exact
 
 
 def check_config(cfg, world_size=1):
@@ -124,11 +124,7 @@ def check_replay(cfg):
         return
     if not replays_filters(cfg):
         fail("--replay_sampling_mask replays top_k, top_p or min_p, and none is set: drop it")
-    extra = cfg.generation_kwargs if isinstance(cfg.generation_kwargs, dict) else {}
-    shaped = [k for k in GENERATION_KWARGS if k != "stop_token_ids" and extra.get(k)]
-    shaped += ["repetition_penalty"] if cfg.repetition_penalty != 1.0 else []
-    shaped += ["vllm_structured_outputs_regex"] if cfg.vllm_structured_outputs_regex else []
-    shaped += ["environment/tools"] if cfg.environment or cfg.tools else []
+    shaped = logit_shapers(cfg) + (["environment/tools"] if cfg.environment or cfg.tools else [])
     if shaped:
         fail(f"--replay_sampling_mask with {shaped[0]}: the kept set then depends on more than "
              "the policy's logits, which the trainer cannot recompute; drop one of them")

@@ -40,17 +40,23 @@ def sampler_logps_exact(cfg, vision=False):
     """
     if not cfg.use_vllm:
         return True
-    extra = cfg.generation_kwargs if isinstance(cfg.generation_kwargs, dict) else {}
-    # every option but extra stop ids changes the logits vLLM's processed log-probs are taken from
-    shaped = [k for k in GENERATION_KWARGS if k != "stop_token_ids" and extra.get(k)]
     # replayed filters: processed log-probs are the kept set's, which the trainer scores too
     filtered = (cfg.top_k or cfg.top_p < 1.0 or cfg.min_p is not None) and not replays_filters(cfg)
-    plain = (cfg.repetition_penalty == 1.0 and not filtered and not shaped
-             and not cfg.vllm_structured_outputs_regex)
+    plain = not filtered and not logit_shapers(cfg)
     # guided decoding masks the logits before vLLM's sampler sees them: raw ones too
     raw = (cfg.vllm_mode == "colocate" and vllm_logprobs_mode(cfg, vision) == "raw_logprobs"
            and not cfg.vllm_structured_outputs_regex)
     return plain or raw
+
+
+def logit_shapers(cfg):
+    """The flags, besides temperature and the filters, that change the logits the sampler draws
+    from (and vLLM's processed log-probs are taken from): every --generation_kwargs option but
+    extra stop ids, the repetition penalty, a structured-outputs regex."""
+    extra = cfg.generation_kwargs if isinstance(cfg.generation_kwargs, dict) else {}
+    shaped = [k for k in GENERATION_KWARGS if k != "stop_token_ids" and extra.get(k)]
+    shaped += ["repetition_penalty"] if cfg.repetition_penalty != 1.0 else []
+    return shaped + (["vllm_structured_outputs_regex"] if cfg.vllm_structured_outputs_regex else [])
 
 
 def weights_dtype(cfg):
