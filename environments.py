@@ -30,9 +30,11 @@ import dataclasses
 import functools
 import inspect
 import random
+import sys
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 import data
 import tools
@@ -40,6 +42,7 @@ from batches import Rollout
 from config import fail
 from forward import micro_batches
 from prompting import is_conversational, pad, prompt_tensors, repeat_each, tokenize_prompts
+from reward_calls import user_error
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,10 +220,12 @@ def routes(spec, dataset=None):
     return factory
 
 
-def why_not(outcome, cfg):
-    """Why a call in tools.in_thread gave no value: what it raised, or that it hung."""
+def why_not(outcome, cfg, located=True):
+    """Why a call in tools.in_thread gave no value: what it raised (located: and where in the
+    user's code), or that it hung."""
     e = outcome.get("error")
-    return (f"raised {type(e).__name__}: {e}" if e else "did not return within "
+    raised = user_error(e) if located else f"{type(e).__name__}: {e}"
+    return (f"raised {raised}" if e else "did not return within "
             f"--environment_timeout {cfg.environment_timeout:g} s")
 
 
@@ -285,6 +290,7 @@ class MultiTurn:
         self.routes = make_env if isinstance(make_env, dict) else {None: make_env}
         self.tokenizer, self.eos_ids, self.max_length = tokenizer, set(eos_ids), max_length
         self.style = None  # the template's tool-call format, read when a TRL environment needs it
+        self.failed = False  # a step failed already (said once)
 
     def push_weights(self):
         self.generator.push_weights()
@@ -429,14 +435,19 @@ class MultiTurn:
 
     def step(self, t, text):
         """env.step(text) within --environment_timeout. An exception or a timeout ends this
-        trajectory with an error turn the reward functions see (counted in the metrics); a reply
-        of the wrong kind is a bug in the environment: one line."""
+        trajectory with an error turn the reward functions see (counted; the first said on
+        stderr, where in the user's code); a reply of the wrong kind is a bug: one line."""
         outcome = tools.in_thread(lambda: t.env.step(text), self.cfg.environment_timeout)
         if "value" not in outcome:  # a hung step is abandoned in its daemon thread
             t.env_failures += 1
-            e = outcome.get("error")
-            why = (f"raised {type(e).__name__}: {e}" if e else "did not return within "
-                   f"--environment_timeout {self.cfg.environment_timeout:g} s")
+            why = why_not(outcome, self.cfg, located=False)
+            if not self.failed:  # a bug in the environment would otherwise pass as a low reward
+                self.failed = True
+                tqdm.write(f"rloo: WARNING: --environment {self.cfg.environment}: step "
+                           f"{why_not(outcome, self.cfg)}; "
+                           "the trajectory ends with an error turn the reward functions see, and "
+                           "later failures are only counted (environment/failure_frequency)",
+                           file=sys.stderr)
             t.turns.append({"role": "environment", "content": f"error: step {why}"})
             return None, True
         result = outcome["value"]

@@ -2,6 +2,7 @@
 against a brute-force computation on hand-built two- and three-turn trajectories; the turn loop over our decode loop
 (sampler log-probs of model tokens = the trainer's); environments that fail; the embedded lookup task learning."""
 import copy
+import inspect
 import json
 import pathlib
 
@@ -278,9 +279,10 @@ def test_the_trajectory_bound_and_the_budget_end_an_environment_that_never_ends(
     assert (lengths <= 8).all()
 
 
-def test_an_environment_that_fails_inside_a_trajectory_gives_an_error_turn_and_is_counted():
+def test_an_environment_that_fails_inside_a_trajectory_gives_an_error_turn_and_is_counted(capsys):
     """A step that raises or hangs past --environment_timeout ends that trajectory with an error turn the reward
-    functions see; the count goes to environment/failure_frequency. A step returning the wrong kind of reply is a
+    functions see; the count goes to environment/failure_frequency, and the first failure is one warning naming the
+    line that raised (a bug would otherwise pass for a low reward). A step returning the wrong kind of reply is a
     bug: one line."""
     class Flaky:
         def __init__(self, row):
@@ -305,6 +307,9 @@ def test_an_environment_that_fails_inside_a_trajectory_gives_an_error_turn_and_i
     for b, turns in enumerate(batch.turns):
         if ended[b] and expected[b]:
             assert turns[-1] == {"role": "environment", "content": "error: step raised ValueError: no such room"}
+    warned = [line for line in capsys.readouterr().err.splitlines() if "WARNING" in line]
+    line = inspect.getsourcelines(Flaky.step)[1] + 2
+    assert len(warned) == 1 and f"ValueError: no such room ({__file__}, line {line})" in warned[0], warned
     loop.routes = {None: lambda row: Hangs()}
     batch = loop.generate(dataset[:2], seed=0)
     assert any("did not return within --environment_timeout 0.3 s" in t[-1]["content"] for t in batch.turns)
