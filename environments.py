@@ -224,9 +224,9 @@ def why_not(outcome, cfg, located=True):
     """Why a call in tools.in_thread gave no value: what it raised (located: and where in the
     user's code), or that it hung."""
     e = outcome.get("error")
-    raised = user_error(e) if located else f"{type(e).__name__}: {e}"
-    return (f"raised {raised}" if e else "did not return within "
-            f"--environment_timeout {cfg.environment_timeout:g} s")
+    if e is None:
+        return f"did not return within --environment_timeout {cfg.environment_timeout:g} s"
+    return f"raised {user_error(e) if located else f'{type(e).__name__}: {e}'}"
 
 
 # ---------------------------------------------------------------------------------------------
