@@ -1,6 +1,7 @@
 """torch.distributed without clutter: start-up, this process's rank and the world size, and the two
 collectives the trainer needs for its metrics (a gather of per-completion columns, a sum of per-step
-totals, with their maxima and minima).
+totals, with their maxima and minima), and the full weights gathered from their FSDP2 shards one
+at a time (what a vLLM weight push sends).
 
 The same code runs as one process (`python train.py`: a process group of one, so that bf16 runs
 FSDP2's mixed precision as N processes do) and as N (`torchrun`). It holds no model code (sharding
