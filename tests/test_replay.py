@@ -11,6 +11,7 @@ import config
 import sampler_rules
 import data
 import forward
+import models
 import rollout
 from conftest import requires_vllm
 from rloo import sampling_mask
@@ -205,3 +206,25 @@ def test_boundary_flips_are_logged_none_on_policy_some_after_an_update(tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     first, second = [m["sampling/replay_boundary_flips"] for m in read_metrics(tmp_path)]
     assert first == 0 and 0.01 < second < 0.9, (first, second)
+
+
+def test_a_vision_language_model_records_and_trains_on_the_kept_set(tmp_path, image_dataset):
+    """The VLM path (HF generate, image placeholders suppressed) with top-k 3: the recorded log-probs and the
+    training forward's are both of the kept set: equal, never below the full softmax's and above it where the mass
+    outside the top 3 counts; no flip on the same weights."""
+    from datasets import load_dataset
+    from conftest import build_vlm
+
+    model, processor = models.load_model(build_vlm(tmp_path / "llava", "llava"), vision=True)
+    rows = load_dataset("json", data_files=image_dataset, split="train")[:3]
+    torch.manual_seed(0)
+    batch = rollout.generate(model, processor.tokenizer, rows, gen_cfg(num_generations=2, top_k=3), CPU, processor)
+    with torch.no_grad():
+        replayed, _, T, _, flips = forward.forward_logps(model, batch, slice(None), 1.0)
+        batch.sampling_filter = None  # the same tokens scored by the full softmax
+        full, *_ = forward.forward_logps(model, batch, slice(None), 1.0)
+    mask = batch.completion_mask[:, :T].bool()
+    assert mask.sum() > 8
+    torch.testing.assert_close(replayed[mask], batch.sampler_logps[:, :T][mask], rtol=0, atol=2e-5)
+    assert (replayed[mask] >= full[mask] - 1e-5).all() and (replayed[mask] > full[mask] + 1e-3).float().mean() > 0.5
+    assert flips[mask].sum() == 0

@@ -408,8 +408,6 @@ def test_vlm_training_forward_reproduces_the_sampler_log_probs(tmp_path, family,
     """Rows with 1 and 2 images of different sizes, G=2; the training forward re-processes micro-batches of 3 rows
     that straddle groups (other padding than generation). Pixel inputs or positions (Qwen2-VL's 3-D rotary ones)
     handled wrongly would move the log-probs; placeholders the policy could sample would crash the forward."""
-    from contextlib import nullcontext
-
     from datasets import load_dataset
     from conftest import build_vlm
 
