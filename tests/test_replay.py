@@ -73,6 +73,10 @@ def test_top_k_5_log_probs_are_the_log_softmax_over_the_5_kept_tokens(tiny):
     assert_on_tokens(out, trained, want)
     assert out.sampling_filter == (5, 1.0, None)
     assert out.sampler_logps.isfinite().all()  # padding drawn outside the 5 is masked, not NaN
+    with torch.no_grad():  # packed rows (--padding_free) replay the same kept sets
+        packed, _, T, _, flips = forward.forward_logps(model, out, slice(None), 1.0, padding_free=True)
+    assert_on_tokens(out, packed, want)
+    assert flips[out.completion_mask[:, :T].bool()].sum() == 0
 
 
 def test_top_p_log_probs_renormalise_over_the_nucleus_vllm_keeps(tiny):
