@@ -25,6 +25,7 @@ from config import fail
 from prompting import with_images
 from sampler_rules import weights_dtype
 
+
 def per_prompt_seed(sampling, i):
     """The i-th prompt's seed (vLLM gives its n samples seed + j), or nothing when unseeded."""
     if sampling.get("seed") is None:
