@@ -18,7 +18,7 @@ memory.
     python bench.py --config gpu --report gpu.jsonl  # one GPU (below): the embedded default
                                                   # learns, then a Qwen2.5-0.5B shape (bf16, G=8,
                                                   # 32 prompts, 128 tokens, 6 steps): full, LoRA,
-                                                  # checkpointing, TRL (--tiny: on CPU)
+                                                  # checkpointing + packed, TRL (--tiny: CPU)
 
 Both trainers load the same model directory (built from a config with a fixed seed and saved once),
 the same prompts, G, batch, max_completion_length, beta=0.05, temperature 1, fp32, constant learning
@@ -341,7 +341,10 @@ def main():
 # the gpu suite's runs after the embedded default: name -> bench.py flags (each in a fresh process,
 # so that peak memory is its own)
 GPU_VARIANTS = {"full": [], "lora": ["--use_peft"],
-                "checkpointing": ["--gradient_checkpointing", "true"], "trl": ["--trainer", "trl"]}
+                # the users' default checkpointing, with packed rows: a layer recomputed in backward
+                # goes through the varlen attention again (FlashAttention's kernel on the GPU)
+                "packed": ["--gradient_checkpointing", "true", "--padding_free"],
+                "trl": ["--trainer", "trl"]}
 # What the estimate assumes on one H200; none of it is measured on a GPU yet. Decoding is eager (no
 # --compile_decode): a decode step of the 24-layer model costs ~32 ms of Python and kernel launches
 # whatever the batch, so 8,000 tokens/s at the gpu config's 256 sequences. The training passes

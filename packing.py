@@ -8,16 +8,25 @@ over the cumulative sequence lengths cu_seqlens [b + 1]. (transformers' own pack
 detection for SDPA builds a dense [1, 1, N, N] mask and computes all N^2 scores: slower than the
 padded batch.) On a GPU, the same keyword arguments (cu_seq_lens_q/k, max_length_q/k) are those
 transformers' flash_attention_2 integration takes for flash_attn_varlen_func (a test checks the
-names against its _flash_attention_forward, and the int32 offsets the kernel needs); we have not run
-that path, so VARLEN runs SDPA per sequence on every device."""
+names against its _flash_attention_forward, and the int32 offsets the kernel needs). VARLEN calls
+PyTorch's varlen_attn (FlashAttention) where it fits, else causal SDPA per sequence; the kernel's
+layout and arguments are checked on a CPU against that loop, the kernel itself not yet on a GPU."""
 from contextlib import contextmanager
 from dataclasses import dataclass
+from inspect import signature
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+try:  # PyTorch's own FlashAttention varlen kernel (CUDA, fp16/bf16; no flash-attn package)
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # an older PyTorch
+    varlen_attn = None
+if varlen_attn and not {"window_size", "enable_gqa"} <= set(signature(varlen_attn).parameters):
+    varlen_attn = None  # its first version took is_causal and no grouped-query heads
 
 VARLEN = "rloo_varlen_sdpa"
 
@@ -89,14 +98,43 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     if unsupported:
         raise ValueError(f"--padding_free: this model's attention uses {unsupported}, which the "
                          "packed attention does not implement; run without --padding_free")
+    if flash_varlen_fits(query, dropout):
+        return flash_varlen(query, key, value, cu_seq_lens_q, kwargs.get("max_length_q"),
+                            scaling), None
     groups = query.shape[1] // key.shape[1]  # grouped-query attention: kv heads shared
     if groups > 1:
         key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-    bounds = cu_seq_lens_q.tolist()  # note: a device-to-host sync, once per layer
-    pieces = [F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
-                                             dropout_p=dropout, scale=scaling, is_causal=True)
-              for s, e in zip(bounds[:-1], bounds[1:])]
-    return torch.cat(pieces, 2).transpose(1, 2).contiguous(), None
+    lengths = cu_seq_lens_q.diff().tolist()  # note: a device-to-host sync, once per layer
+    dtype = query.dtype
+    if query.device.type == "cpu":
+        # CPU bf16 SDPA compiles a kernel per new sequence length (5-35 ms each, measured, and a
+        # packed row brings a new length per sequence); fp32 compiles none and is as fast here
+        query, key, value = query.float(), key.float(), value.float()
+    # split, not a slice per sequence: a slice's backward writes a zero [1, heads, N, d] gradient
+    # each, so b sequences cost b times the row (split's backward is one concatenation)
+    pieces = [F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling,
+                                             is_causal=True)
+              for q, k, v in zip(*(x.split(lengths, 2) for x in (query, key, value)))]
+    return torch.cat(pieces, 2).to(dtype).transpose(1, 2).contiguous(), None
+
+
+def flash_varlen_fits(query, dropout):
+    """FlashAttention's varlen kernel takes fp16/bf16 on an Ampere or later GPU, without dropout."""
+    return (varlen_attn is not None and query.is_cuda and not dropout
+            and query.dtype in (torch.float16, torch.bfloat16)
+            and torch.cuda.get_device_capability(query.device)[0] >= 8)
+
+
+def flash_varlen(query, key, value, cu_seqlens, max_length, scaling):
+    """The packed row in one kernel call: no loop over sequences, no device-to-host sync (the
+    longest length comes from pack(), on the host), kv heads shared by the kernel. [1, heads, N,
+    d] -> [1, N, heads, d]; the kernel's layout is [N, heads, d], causal as window (-1, 0)."""
+    if max_length is None:
+        max_length = int(cu_seqlens.diff().max())
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
+    out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, scale=scaling,
+                      window_size=(-1, 0), enable_gqa=k.shape[1] != q.shape[1])
+    return out[None]
 
 
 def varlen_mask(config=None, **kwargs):

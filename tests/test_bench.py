@@ -17,7 +17,7 @@ from packaging.utils import canonicalize_name
 import bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUNS = ["plan", "model", "embedded", "full", "lora", "checkpointing", "trl"]
+RUNS = ["plan", "model", "embedded", "full", "lora", "packed", "trl"]
 
 
 def report_lines(path):
@@ -58,7 +58,7 @@ def test_gpu_check_runs_on_cpu_with_a_tiny_shape_reporting_each_run_as_it_ends(t
     results = {line["run"]: line for line in lines}
     assert results["plan"]["missing"] == [] and results["plan"]["estimate"]["total_s"] > 0
     assert results["embedded"]["steps"] == 40 and 0 <= results["embedded"]["last_tenth_reward"] <= 1
-    for variant in ("full", "lora", "checkpointing", "trl"):
+    for variant in ("full", "lora", "packed", "trl"):
         assert "error" not in results[variant], (variant, results[variant])
         assert results[variant]["step_time"] > 0 and results[variant]["tokens_per_second/generation"] > 0
     assert "estimate on one H200" in out and "| lora |" in out

@@ -7,6 +7,8 @@ import inspect
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import forward
@@ -141,6 +143,52 @@ def test_packed_row_has_no_padding_and_attention_one_sequence_at_a_time(monkeypa
         forward.forward_logps(model, batch, slice(None), 1.0, padding_free=True)
     assert rows == [(1, sum(lengths))]
     assert seen == [(n, None) for n in lengths] * model.config.num_hidden_layers
+
+
+class Written(TorchDispatchMode):
+    """Counts the elements the ops write (their outputs' sizes, views aside): a pass's traffic."""
+    def __init__(self):
+        super().__init__()
+        self.elements = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            self.elements += sum(t.numel() for t in torch.utils._pytree.tree_leaves(out)
+                                 if isinstance(t, torch.Tensor))
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_attention_backward_writes_the_row_a_few_times_not_once_per_sequence(dtype):
+    """48 sequences in a row: a slice per sequence would make backward write a zero gradient of the
+    whole row per slice (48 rows each for q, k, v); split's backward is one concatenation. On a CPU
+    the attention runs in fp32 (bf16 SDPA compiles a kernel per new length) and returns the
+    row's dtype."""
+    lengths = [1 + (7 * i) % 23 for i in range(48)]
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    q, k, v = (torch.randn(1, 4, sum(lengths), 8, dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    seen = []
+    sdpa = packing.F.scaled_dot_product_attention
+
+    def recorded(query, *args, **kwargs):
+        seen.append(query.dtype)
+        return sdpa(query, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(packing.F, "scaled_dot_product_attention", recorded)
+        out, _ = packing.varlen_attention(None, q, k, v, None, cu_seq_lens_q=cu_seqlens)
+    assert out.dtype == dtype and out.shape == (1, sum(lengths), 4, 8)
+    assert set(seen) == {torch.float32} and len(seen) == len(lengths)
+    with Written() as written:
+        out.sum().backward()
+    assert written.elements < 12 * q.numel()  # fp32 6 x, bf16 10 x (casts); slices: 290 x
+    for i, (s, e) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
+        if i % 10 == 0:  # each sequence attends within itself only
+            want = sdpa(*(x.detach()[:, :, s:e].float() for x in (q, k, v)), is_causal=True)
+            torch.testing.assert_close(out[0, s:e].float(), want[0].transpose(0, 1),
+                                       atol=1e-2, rtol=1e-2)
 
 
 def test_pack_restarts_positions_and_scores_each_completion_token_from_the_one_before():
@@ -314,3 +362,49 @@ def test_the_packed_attention_arguments_are_those_flash_attention_varlen_takes()
     cu = kwargs["cu_seq_lens_q"]
     assert cu.dtype == torch.int32 and cu[0] == 0 and cu[-1] == packed.input_ids.shape[1]
     assert isinstance(kwargs["max_length_q"], int) and kwargs["max_length_q"] == cu.diff().max()
+
+
+def flash_stand_in(calls):
+    """torch.nn.attention.varlen.varlen_attn's contract as its docstring states it, computed by
+    causal SDPA per sequence: [N, heads, d] in and out, int32 offsets, int maxima, causal as
+    window (-1, 0), enable_gqa when the kv heads are fewer. (The kernel itself needs a GPU.)"""
+    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                    enable_gqa=False):
+        assert q.dim() == k.dim() == 3 and q.stride(-1) == 1 and cu_q.dtype == torch.int32
+        assert type(max_q) is int and max_q == max_k == cu_q.diff().max() and cu_k is cu_q
+        assert tuple(window_size) == (-1, 0) and enable_gqa == (k.shape[1] < q.shape[1])
+        calls.append(q.shape)
+        return torch.cat([F.scaled_dot_product_attention(
+            *(x[s:e].transpose(0, 1) for x in (q, k, v)), scale=scale, is_causal=True,
+            enable_gqa=enable_gqa).transpose(0, 1)
+            for s, e in zip(cu_q[:-1].numpy(), cu_q[1:].numpy())])  # on the host: a CPU test
+    return varlen_attn
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_flash_varlen_takes_the_packed_row_in_one_call_per_layer_and_equals_padded(kind,
+                                                                                  monkeypatch):
+    """Where FlashAttention's varlen kernel fits (CUDA, fp16/bf16, no dropout) VARLEN hands it the
+    whole row once a layer, without the host sync of the SDPA loop: layout, offsets, maxima from
+    pack() and grouped-query heads checked through the models' own attention calls."""
+    x = torch.zeros(1, 2, 3, 4)
+    assert not packing.flash_varlen_fits(x, 0.0)  # a CPU tensor takes the SDPA loop
+    assert not packing.flash_varlen_fits(x.bfloat16(), 0.0)
+    calls = []
+    monkeypatch.setattr(packing, "varlen_attn", flash_stand_in(calls))
+    monkeypatch.setattr(packing, "flash_varlen_fits", lambda query, dropout: True)
+    model, batch = tiny(kind), long_tail_batch()
+    inside = [False]  # within a layer's attention: no device-to-host read (a sync on a GPU)
+    for read in ("tolist", "item", "__int__"):
+        def banned(self, *args, _read=getattr(torch.Tensor, read)):
+            assert not inside[0], "a host sync in the attention"
+            return _read(self, *args)
+        monkeypatch.setattr(torch.Tensor, read, banned)
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+        layer.self_attn.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+    packed = logps_and_grads(model, batch, padding_free=True)
+    monkeypatch.undo()
+    N = int(batch.prompt_mask.sum() + batch.completion_mask.sum())
+    assert calls == [(N, 4, 8)] * model.config.num_hidden_layers
+    assert_same(packed, logps_and_grads(model, batch, padding_free=False))
