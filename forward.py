@@ -194,8 +194,13 @@ class LogpsHead(torch.nn.Module):
         b, T = self.targets.shape
         if not self.packed:
             hidden = hidden[:, :-1]  # position t predicts targets[:, t]
-        hidden = hidden.reshape(b * T, -1)
-        targets, head = self.targets.reshape(b * T), self.lm_head
+        # [b * T, C] -> [b, T, C], copied (C = 2 or 3 a token): FSDP2 warns when its root returns
+        # a view (an in-place op on one would skip its pre-backward hook)
+        return self.rows(hidden.reshape(b * T, -1), self.targets.reshape(b * T)).view(b, T, -1) \
+            .clone()
+
+    def rows(self, hidden, targets):
+        head = self.lm_head
         tokens = head_chunk_tokens(head.weight.shape[0], hidden.device.type)
         if isinstance(head, torch.nn.Linear) and head.bias is None and \
                 not hasattr(head.weight, "quant_state"):  # a plain weight (not 4-bit): F.linear
@@ -203,16 +208,16 @@ class LogpsHead(torch.nn.Module):
             # own under --cast_lm_head_to_fp32: gather, fp32 input) run once, not once per chunk
             head.forward = lambda x: ChunkedHead.apply(x, head.weight, targets, tokens, self.score)
             try:
-                return head(hidden).view(b, T, -1)
+                return head(hidden)
             finally:
                 del head.forward
         # a head with adapters (LoRA, 4-bit): called per chunk
         pieces = []
-        for rows in micro_batches(b * T, tokens):
+        for rows in micro_batches(len(hidden), tokens):
             args = (hidden[rows], targets[rows])
             pieces.append(checkpoint(self.chunk, *args, use_reentrant=False)
                           if torch.is_grad_enabled() else self.chunk(*args))
-        return torch.cat(pieces).view(b, T, -1)
+        return torch.cat(pieces)
 
     def chunk(self, hidden, targets):
         return self.score(self.lm_head(hidden), targets)

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -212,6 +213,23 @@ def test_an_fp32_head_is_gathered_once_per_micro_batch_whatever_the_chunk_count(
             logps.sum().backward()
         counts.append(count["gathers"])
     assert counts == [1 + 2 * 2 + 1] * 3, counts  # the root, 2 layers in forward and backward, the head
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_the_sharded_policy_returns_log_probs_that_are_no_view(process_group, padding_free):
+    """FSDP2 hooks its pre-backward gather onto the root's outputs; on a view an in-place op would drop the hook, so
+    it warns (every --bf16 or multi-GPU run printed "returned a view tensor ... wrong gradients"). LogpsHead's
+    [b, T, C] is a tensor of its own, padded and packed."""
+    model, tokenizer, _ = data.embedded_task(seed=0)
+    cfg = cfg_for(bf16=True, max_completion_length=6)
+    batch = rollout.generate(model, tokenizer, {"prompt": ["12=", "3456="]}, cfg, torch.device("cpu"), seed=0)
+    model = models.prepare_model(model, cfg, trainable=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        logps, *_ = forward.forward_logps(model, batch, slice(None), 1.0, padding_free=padding_free)
+        logps.sum().backward()
+    assert not [w for w in caught if "view" in str(w.message)], [str(w.message) for w in caught]
+    assert all(p.grad is not None for p in model.parameters())
 
 
 # ------------------------------------------------------------------------------------------- memory per phase
