@@ -142,7 +142,9 @@ def run_rloo(model_dir, data, reward, c, steps, extra):
              "--max_completion_length": c["max_completion_length"], "--beta": 0.05,
              "--learning_rate": 1e-4, "--lr_scheduler_type": "constant",
              "--bf16": c.get("bf16", False), "--gradient_checkpointing": False,
-             "--max_steps": steps, "--logging_steps": 1, "--save_steps": 0, "--output_dir": out}
+             "--max_steps": steps, "--logging_steps": 1, "--output_dir": out,
+             # no checkpoint (the final model still is): 6 GB of weights and optimizer for 0.5B
+             "--save_strategy": "no"}
     train.main([str(x) for flag in flags.items() for x in flag] + extra)
     if int(os.environ.get("RANK", 0)) != 0:
         return None
@@ -451,10 +453,8 @@ def gpu_suite(args, c, steps, extra):
                                        estimate["embedded_s"], deadline)}
         for name, flags in GPU_VARIANTS.items():
             report = os.path.join(work, f"{name}.json")
-            # no checkpoint at the end: weights and optimizer state, 6 GB to write for 0.5B
             cmd = [sys.executable, __file__, "--config", "gpu", "--variant", name, "--model_dir",
-                   model, "--steps", str(steps), "--report", report, "--save_strategy", "no",
-                   *tiny, *flags, *extra]
+                   model, "--steps", str(steps), "--report", report, *tiny, *flags, *extra]
             results[name] = gpu_run(args, name, cmd, lambda: read_json(report),
                                     estimate["variant_s"], deadline)
     finally:

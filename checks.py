@@ -47,12 +47,11 @@ def check_config(cfg, world_size=1):
     if cfg.load_in_4bit and world_size > 1:
         fail(f"--load_in_4bit with {world_size} processes: FSDP2 cannot shard a 4-bit base, so "
              "each rank would train an adapter of its own; run one process")
-    if cfg.use_vllm:
-        check_vllm(cfg, world_size)
-    elif cfg.vllm_structured_outputs_regex:
-        fail("--vllm_structured_outputs_regex is vLLM's guided decoding: add --use_vllm")
     check_importance_sampling(cfg)
     check_replay(cfg)
+    check_only_with(cfg)
+    if cfg.use_vllm:
+        check_vllm(cfg, world_size)
     check_model_options(cfg)
     check_async_and_dynamic(cfg)
 
@@ -144,8 +143,6 @@ def check_vllm(cfg, world_size):
              "generation_kwargs other than stop_token_ids or a structured-outputs regex (and, in "
              "server mode, at any temperature with them): drop those or the correction (top_k, "
              "top_p and min_p are fine with --replay_sampling_mask)")
-    if cfg.vllm_server_base_url and cfg.vllm_mode != "server":
-        fail("--vllm_server_base_url is the address of a vLLM server: add --vllm_mode server")
     if cfg.vllm_mode == "server" and (cfg.generation_kwargs or {}).get("bad_words_ids"):
         fail("--generation_kwargs bad_words_ids: a vLLM server takes bad words as strings; give "
              "bad_words instead")
@@ -170,24 +167,62 @@ def check_importance_sampling(cfg):
     low, high = cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max
     if low is not None and low >= high:
         fail(f"vllm_importance_sampling_clip_min={low} must be below clip_max={high}")
-    unset = (None, Config.vllm_importance_sampling_clip_max, Config.vllm_importance_sampling_mode)
-    if not cfg.vllm_importance_sampling_correction and (low, high, mode) != unset:
-        fail("--vllm_importance_sampling_mode, _clip_min and _clip_max apply with "
-             "--vllm_importance_sampling_correction: add it")
+
+
+# Flags that act only beside another (as their --help says): what they need, the test for it, and
+# them. Given another value than the default without it, one would change nothing, so the run stops.
+ONLY_WITH = [
+    ("--model", lambda c: c.model is not None, ["model_init_kwargs", "trust_remote_code"]),
+    ("--use_peft", lambda c: c.use_peft, [
+        "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters",
+        "lora_modules_to_save", "use_rslora", "use_dora"]),
+    ("--model and --use_peft", lambda c: c.model is not None and c.use_peft, ["load_in_4bit"]),
+    ("--dataset", lambda c: c.dataset is not None, ["dataset_config", "dataset_split"]),
+    ("--eval_split or --eval_dataset", lambda c: bool(c.eval_split or c.eval_dataset),
+     ["eval_steps", "per_device_eval_batch_size", "num_generations_eval"]),
+    ("--environment or --tools", lambda c: bool(c.environment or c.tools),
+     ["max_tool_calls", "environment_timeout", "max_trajectory_length"]),
+    ("a KL term (--beta > 0)", lambda c: c.beta > 0, ["kl_estimator"]),
+    ("--sync_ref_model", lambda c: c.sync_ref_model,
+     ["ref_model_mixup_alpha", "ref_model_sync_steps"]),
+    ("--use_vllm", lambda c: c.use_vllm, ["vllm_mode", "vllm_structured_outputs_regex"]),
+    ("--use_vllm in colocate mode", lambda c: c.use_vllm and c.vllm_mode == "colocate", [
+        "vllm_gpu_memory_utilization", "vllm_kv_cache_memory_bytes", "vllm_max_model_length",
+        "vllm_max_num_batched_tokens", "vllm_tensor_parallel_size", "vllm_enable_sleep_mode"]),
+    ("--use_vllm --vllm_mode server", lambda c: c.use_vllm and c.vllm_mode == "server", [
+        "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
+        "vllm_weight_sync", "vllm_sync_dir"]),
+    ("--vllm_importance_sampling_correction", lambda c: c.vllm_importance_sampling_correction, [
+        "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min",
+        "vllm_importance_sampling_clip_max"]),
+    ("--async_generation", lambda c: c.async_generation, ["async_generation_lag"]),
+    ("--dynamic_sampling", lambda c: c.dynamic_sampling, ["max_dynamic_sampling_rounds"]),
+    ("--log_completions", lambda c: c.log_completions,
+     ["num_completions_to_print", "log_unique_prompts", "log_multimodal"]),
+    ("--report_to wandb", lambda c: "wandb" in c.report_to, ["run_name"]),
+    ("--save_strategy steps", lambda c: c.save_strategy == "steps",
+     ["save_steps", "save_total_limit"]),
+]
+
+
+def check_only_with(cfg):
+    """No flag that would change nothing: each of ONLY_WITH's at its default unless its owner is
+    there (e.g. --lora_r without --use_peft, --async_generation_lag without --async_generation)."""
+    defaults = Config()
+    for needed, present, names in ONLY_WITH:
+        for name in names:
+            value = getattr(cfg, name)
+            if value != getattr(defaults, name) and not present(cfg):
+                shown = " ".join(map(str, value)) if isinstance(value, list) else \
+                    json.dumps(value) if isinstance(value, (dict, bool)) else value
+                flag = f"--{name}" + ("" if value is True else f" {shown}")
+                fail(f"{flag} means nothing without {needed}: drop it, or add {needed}")
 
 
 def check_model_options(cfg):
     """Loading, LoRA and reference sync."""
-    if cfg.model is None and (cfg.model_init_kwargs or cfg.trust_remote_code or cfg.load_in_4bit):
-        fail("model_init_kwargs, trust_remote_code and load_in_4bit apply to a model loaded with "
-             "--model")
     if cfg.use_peft and importlib.util.find_spec("peft") is None:
         fail("--use_peft needs peft: pip install peft")
-    lora_only = [name for name in ("load_in_4bit", "lora_target_modules", "lora_target_parameters",
-                                   "lora_modules_to_save", "use_rslora", "use_dora")
-                 if getattr(cfg, name)]
-    if not cfg.use_peft and lora_only:
-        fail(f"{', '.join(lora_only)} configure a LoRA adapter: add --use_peft")
     if cfg.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
         fail("--load_in_4bit needs bitsandbytes: pip install bitsandbytes")
     if cfg.load_in_4bit and cfg.save_strategy == "no":

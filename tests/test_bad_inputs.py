@@ -4,6 +4,7 @@ row, function or checkpoint at fault, with no traceback and nothing lost (README
 
 Cheap cases run in this process through the checkers themselves; the rest run train.py end to end."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -16,6 +17,8 @@ import pytest
 import torch
 
 import batches
+import checks
+import config
 import directories
 import data
 import rewards
@@ -90,6 +93,22 @@ FLAG_CASES = [  # (flags, what the line must say); marked "ours" where the issue
      "--load_in_4bit with --save_strategy no"),  # the final model is merged from the last checkpoint
     (["--learning_rate", "inf"], "--learning_rate inf: must be >= 0"),
     (["--vllm_kv_cache_memory_bytes", "0"], "--vllm_kv_cache_memory_bytes 0: must be >= 1"),
+    # ours: a flag that would change nothing without the one it acts beside (checks.ONLY_WITH)
+    (["--async_generation_lag", "2"], "--async_generation_lag 2 means nothing without --async_generation"),
+    (["--save_strategy", "no", "--save_steps", "100"], "--save_steps 100 means nothing without --save_strategy"),
+    (["--use_vllm", "--vllm_server_port", "9000"], "means nothing without --use_vllm --vllm_mode server"),
+    (["--vllm_mode", "server"], "--vllm_mode server means nothing without --use_vllm"),
+    (["--use_vllm", "--vllm_mode", "server", "--vllm_gpu_memory_utilization", "0.5"],
+     "--vllm_gpu_memory_utilization 0.5 means nothing without --use_vllm in colocate mode"),
+    (["--beta", "0", "--kl_estimator", "k3"], "--kl_estimator k3 means nothing without a KL term (--beta > 0)"),
+    (["--num_completions_to_print", "3"], "--num_completions_to_print 3 means nothing without --log_completions"),
+    (["--use_dora"], "--use_dora means nothing without --use_peft"),
+    (["--max_dynamic_sampling_rounds", "8"], "means nothing without --dynamic_sampling"),
+    (["--ref_model_sync_steps", "64"], "means nothing without --sync_ref_model"),
+    (["--max_tool_calls", "3"], "--max_tool_calls 3 means nothing without --environment or --tools"),
+    (["--eval_steps", "5"], "--eval_steps 5 means nothing without --eval_split or --eval_dataset"),
+    (["--dataset_split", "test"], "--dataset_split test means nothing without --dataset"),
+    (["--run_name", "exp1"], "--run_name exp1 means nothing without --report_to wandb"),
 ]
 
 
@@ -98,6 +117,46 @@ def test_a_bad_flag_is_one_line_naming_it_before_anything_loads(args, message):
     error = startup_error(args)
     assert error is not None and message in error, error
     assert error.startswith("error: ") and "\n" not in error
+
+
+# what makes each owner in checks.ONLY_WITH present; a plain Config has none but a KL term and periodic checkpoints
+OWNERS = {"--model": dict(model="m"), "--use_peft": dict(use_peft=True),
+          "--model and --use_peft": dict(model="m", use_peft=True), "--dataset": dict(dataset="d.jsonl"),
+          "--eval_split or --eval_dataset": dict(eval_dataset=["e=e.jsonl"]),
+          "--environment or --tools": dict(tools="t.py:f"), "a KL term (--beta > 0)": dict(beta=0.1),
+          "--sync_ref_model": dict(sync_ref_model=True), "--use_vllm": dict(use_vllm=True),
+          "--use_vllm in colocate mode": dict(use_vllm=True),
+          "--use_vllm --vllm_mode server": dict(use_vllm=True, vllm_mode="server"),
+          "--vllm_importance_sampling_correction": dict(vllm_importance_sampling_correction=True),
+          "--async_generation": dict(async_generation=True), "--dynamic_sampling": dict(dynamic_sampling=True),
+          "--log_completions": dict(log_completions=True), "--report_to wandb": dict(report_to=["wandb"]),
+          "--save_strategy steps": dict(save_strategy="steps")}
+ABSENT = {"a KL term (--beta > 0)": dict(beta=0.0), "--save_strategy steps": dict(save_strategy="no")}
+NAMED = {"vllm_mode": "server", "kl_estimator": "k3", "vllm_weight_sync": "file",
+         "vllm_importance_sampling_mode": "sequence_truncate"}
+ONLY_WITH = [(needed, name) for needed, _, names in checks.ONLY_WITH for name in names]
+
+
+def another_value(name):
+    default = getattr(config.Config(), name)
+    if name in NAMED or isinstance(default, bool):
+        return NAMED.get(name, not default)
+    return {int: lambda: default + 1, float: lambda: default + 0.5, str: lambda: default + "2",
+            type(None): lambda: "x"}[type(default)]()
+
+
+@pytest.mark.parametrize("needed, name", ONLY_WITH, ids=[name for _, name in ONLY_WITH])
+def test_a_flag_that_would_change_nothing_without_its_owner_is_one_line(needed, name):
+    """Each flag of checks.ONLY_WITH (its --help says "With log_completions: ...", "Server mode: ..."): another value
+    than its default without the flag it acts beside is one line naming both; with that flag, or at its default,
+    it passes."""
+    absent = dataclasses.replace(config.Config(), **ABSENT.get(needed, {}), **{name: another_value(name)})
+    with pytest.raises(SystemExit) as stopped:
+        checks.check_only_with(absent)
+    assert str(stopped.value).startswith(f"error: --{name}") and f"means nothing without {needed}: drop it" in \
+        str(stopped.value) and "\n" not in str(stopped.value)
+    checks.check_only_with(dataclasses.replace(absent, **OWNERS[needed]))
+    checks.check_only_with(dataclasses.replace(absent, **{name: getattr(config.Config(), name)}))
 
 
 def test_help_states_each_default_as_it_applies_and_each_domain():

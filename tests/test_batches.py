@@ -144,7 +144,7 @@ def test_one_weight_push_per_step_with_dynamic_sampling(tmp_path, chat_model_dir
     data_file.write_text("".join(json.dumps({"prompt": f"{i} + {i} ="}) + "\n" for i in range(64)))
     out = subprocess.run([sys.executable, "-c", COUNT_PUSHES, "--model", str(chat_model_dir), "--dataset",
                           str(data_file), "--reward_funcs", "think_format_reward", "--use_vllm", "--vllm_mode", mode,
-                          "--vllm_server_port", str(vllm_server), "--dynamic_sampling",
+                          *(["--vllm_server_port", str(vllm_server)] if mode == "server" else []), "--dynamic_sampling",
                           "--max_dynamic_sampling_rounds", "2", "--bf16", "false", "--num_generations", "4",
                           "--per_device_train_batch_size", "8", "--max_completion_length", "4", "--max_steps", "3",
                           "--logging_steps", "1", "--output_dir", str(tmp_path / "run")],

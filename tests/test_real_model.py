@@ -143,16 +143,17 @@ def test_string_prompts_get_the_tokenizers_bos_and_conversations_only_the_templa
     assert first_real.flatten().tolist() == [bos] * 4
 
 
-VLLM = ["--use_vllm", "--bf16", "false", "--vllm_kv_cache_memory_bytes", str(512 * 2**20)]  # 8,192 positions fit
+VLLM = ["--use_vllm", "--bf16", "false"]
+COLOCATED = [*VLLM, "--vllm_kv_cache_memory_bytes", str(512 * 2**20)]  # 8,192 positions fit
 
 
 @requires_vllm
 def test_colocated_vllm_with_filters_gives_the_trainers_log_probs(tmp_path, smollm2_dir):
     """T = 1 with penalty and filters: a colocated engine reports raw log-probs, log softmax(logits) before them,
     which is log pi_T at T = 1; at T = 0.7 no vLLM mode is, so the trainer computes them: KL ~0 either way."""
-    [at_t1] = train_run(tmp_path / "t1", smollm2_dir, *VLLM, *FILTERS[2:])
+    [at_t1] = train_run(tmp_path / "t1", smollm2_dir, *COLOCATED, *FILTERS[2:])
     assert at_t1["sampling/sampling_logp_difference/mean"] <= 1e-4 and abs(at_t1["kl"]) <= 1e-4
-    [at_t07] = train_run(tmp_path / "t07", smollm2_dir, *VLLM, *FILTERS)
+    [at_t07] = train_run(tmp_path / "t07", smollm2_dir, *COLOCATED, *FILTERS)
     assert "sampling/sampling_logp_difference/mean" not in at_t07  # vLLM reported nothing it could not
     assert abs(at_t07["kl"]) <= 1e-4  # was 0.62 per token with vLLM's filtered log-probs
 

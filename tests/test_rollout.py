@@ -284,7 +284,8 @@ def test_train_with_vllm_logs_drift_and_sync_time(tmp_path, chat_model_dir, vllm
                             for i in range(8)))
     out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--model", str(chat_model_dir), "--dataset",
                           str(data), "--reward_funcs", "think_format_reward", "--use_vllm", "--vllm_mode", mode,
-                          "--vllm_server_port", str(vllm_server), "--bf16", "false", "--num_generations", "4",
+                          *(["--vllm_server_port", str(vllm_server)] if mode == "server" else []),
+                          "--bf16", "false", "--num_generations", "4",
                           "--per_device_train_batch_size", "8", "--max_completion_length", "8", "--max_steps", "3",
                           "--logging_steps", "1", "--vllm_importance_sampling_cap", "2.0",
                           "--output_dir", str(tmp_path / "run")],
@@ -329,8 +330,8 @@ def test_vllm_structured_outputs_bad_words_and_logit_bias_reach_the_engine(tmp_p
     data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{i}?"}]}) + "\n" for i in range(8)))
     out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--model", str(chat_model_dir), "--dataset",
                           str(data), "--reward_funcs", f"{tmp_path / 'record.py'}:record", "--use_vllm", "--vllm_mode",
-                          mode, "--vllm_server_base_url" if mode == "server" else "--vllm_server_port",
-                          f"http://127.0.0.1:{vllm_server}/" if mode == "server" else str(vllm_server),
+                          mode, *(["--vllm_server_base_url", f"http://127.0.0.1:{vllm_server}/"] if mode == "server"
+                                  else []),
                           "--vllm_structured_outputs_regex", "[ab]+", "--generation_kwargs", options, "--bf16",
                           "false", "--num_generations", "4", "--per_device_train_batch_size", "8",
                           "--max_completion_length", "6", "--max_steps", "2", "--logging_steps", "1", "--beta", "0.1",

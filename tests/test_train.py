@@ -104,10 +104,10 @@ def test_embedded_preset_applies_only_without_model_and_flags_win():
     (["--dataset", "/no/such/data.jsonl"], "dataset file '/no/such/data.jsonl' does not exist"),
     (["--dataset", "./no_such_file.jsonl"], "dataset file './no_such_file.jsonl' does not exist"),
     (["--model_init_kwargs", '["dtype"]'], "--model_init_kwargs [\"dtype\"]: must be a JSON object"),
-    (["--model_init_kwargs", '{"dtype": "bfloat16"}'], "apply to a model loaded with --model"),
+    (["--model_init_kwargs", '{"dtype": "bfloat16"}'], '--model_init_kwargs {"dtype": "bfloat16"} means nothing without --model'),
     (["--generation_kwargs", '{"seed": 1}'], "--generation_kwargs seed: set --seed"),
     (["--num_generations_eval", "0"], "--num_generations_eval 0: must be >= 1"),
-    (["--lora_target_modules", "q_proj"], "configure a LoRA adapter: add --use_peft"),
+    (["--lora_target_modules", "q_proj"], "--lora_target_modules q_proj means nothing without --use_peft"),
     (["--use_peft", "--sync_ref_model"], "with --use_peft the reference is the base model under the adapter"),
     (["--sync_ref_model", "--beta", "0"], "drop --sync_ref_model"),
     (["--sync_ref_model", "--ref_model_mixup_alpha", "2"], "--ref_model_mixup_alpha 2.0: must be in [0, 1]"),
@@ -482,7 +482,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
 
 
 def test_save_strategy_no_writes_the_final_model_and_no_checkpoint_even_on_sigterm(tmp_path):
-    out = run(FAST + ["--max_steps", "4", "--save_steps", "2", "--save_strategy", "no", "--output_dir",
+    out = run(FAST + ["--max_steps", "4", "--save_strategy", "no", "--output_dir",
                       str(tmp_path / "whole")])
     assert out.returncode == 0, out.stderr[-3000:]
     assert checkpoint.checkpoint_dirs(str(tmp_path / "whole")) == []
