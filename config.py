@@ -463,12 +463,14 @@ class Config:
         "Passes over the prompts, when max_steps is -1.")
     seed: int = arg(42, between(0, 2**32 - 1),
         "Seed of model init and prompt order; rank r samples with seed + r.")
-    bf16: bool = arg(True,
+    bf16: bool | None = arg(None,
         "bf16 compute (sampling too) with fp32 master weights and gradients: FSDP2's "
         "MixedPrecisionPolicy, also in one process; frozen models (reference, reward models, a "
         "LoRA base) are stored in bf16. When beta > 0 it costs one no-grad policy forward per step "
         "for the KL's old log-probs: bf16 kernels of another batch shape differ by ~0.04 "
-        "nats/token.")
+        "nats/token. Unset: on where the device computes bf16 natively (a GPU of compute "
+        "capability 8.0+, a CPU with AVX512-BF16 or AMX), off elsewhere, where it is emulated "
+        "and an order of magnitude slower (TRL: on); the start-up says which.")
     cast_lm_head_to_fp32: bool = arg(False,
         "Keep the LM head in fp32 and compute the logits in fp32 under --bf16 (ScaleRL; TRL's "
         "name): sequence log-probs summed over long completions are then less noisy. Needs an "

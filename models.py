@@ -22,6 +22,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTex
                           BitsAndBytesConfig, GenerationConfig, PreTrainedModel)
 
 import distributed
+import stack
 from config import fail
 from forward import base_of
 from model_files import load_weights, model_dir_problem, token_id_problem
@@ -187,8 +188,7 @@ def prepare_model(model, cfg, trainable, device=torch.device("cpu")):
     if trainable:
         model.train()
         if cfg.gradient_checkpointing:
-            options = {"use_reentrant": False}
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+            stack.enable_activation_checkpointing(model)
     else:
         model.requires_grad_(False).eval()
     head = lm_head_in_fp32(model) if cfg.cast_lm_head_to_fp32 else None

@@ -17,16 +17,20 @@ from inspect import signature
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+import stack
+
 try:  # PyTorch's own FlashAttention varlen kernel (CUDA, fp16/bf16; no flash-attn package)
     from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # an older PyTorch
+except ImportError:  # torch < 2.10
     varlen_attn = None
-if varlen_attn and not {"window_size", "enable_gqa"} <= set(signature(varlen_attn).parameters):
-    varlen_attn = None  # its first version took is_causal and no grouped-query heads
+# its keywords by release: causal as is_causal (2.10) or window_size (2.11+); grouped-query heads
+# shared by the kernel from 2.12 (enable_gqa), repeated here before
+VARLEN_ARGS = set(signature(varlen_attn).parameters) if varlen_attn else set()
 
 VARLEN = "rloo_varlen_sdpa"
 
@@ -98,7 +102,9 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     if unsupported:
         raise ValueError(f"--padding_free: this model's attention uses {unsupported}, which the "
                          "packed attention does not implement; run without --padding_free")
-    if flash_varlen_fits(query, dropout):
+    kernel, why = packed_kernel(query, dropout)
+    stack.took("packed attention", kernel, why)
+    if kernel == FLASH:
         return flash_varlen(query, key, value, cu_seq_lens_q, kwargs.get("max_length_q"),
                             scaling), None
     groups = query.shape[1] // key.shape[1]  # grouped-query attention: kv heads shared
@@ -118,22 +124,42 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     return torch.cat(pieces, 2).to(dtype).transpose(1, 2).contiguous(), None
 
 
-def flash_varlen_fits(query, dropout):
-    """FlashAttention's varlen kernel takes fp16/bf16 on an Ampere or later GPU, without dropout."""
-    return (varlen_attn is not None and query.is_cuda and not dropout
-            and query.dtype in (torch.float16, torch.bfloat16)
-            and torch.cuda.get_device_capability(query.device)[0] >= 8)
+FLASH, PER_SEQUENCE = "FlashAttention varlen", "causal SDPA per sequence"
+
+
+def packed_kernel(query, dropout):
+    """Which kernel attends a packed row, and why: FlashAttention's varlen kernel takes fp16/bf16
+    on an Ampere or later GPU, without dropout; elsewhere SDPA runs per sequence."""
+    if varlen_attn is None:
+        return PER_SEQUENCE, f"torch {torch.__version__} has no torch.nn.attention.varlen"
+    if not query.is_cuda:
+        return PER_SEQUENCE, "CPU"
+    if dropout or query.dtype not in (torch.float16, torch.bfloat16):
+        return PER_SEQUENCE, "dropout" if dropout else f"{query.dtype} (FlashAttention: fp16/bf16)"
+    major, minor = torch.cuda.get_device_capability(query.device)
+    if major < 8:
+        return PER_SEQUENCE, f"GPU compute capability {major}.{minor} (FlashAttention: 8.0+)"
+    return FLASH, f"torch {torch.__version__}'s varlen_attn"
 
 
 def flash_varlen(query, key, value, cu_seqlens, max_length, scaling):
     """The packed row in one kernel call: no loop over sequences, no device-to-host sync (the
-    longest length comes from pack(), on the host), kv heads shared by the kernel. [1, heads, N,
-    d] -> [1, N, heads, d]; the kernel's layout is [N, heads, d], causal as window (-1, 0)."""
+    longest length comes from pack(), on the host). [1, heads, N, d] -> [1, N, heads, d]; the
+    kernel's layout is [N, heads, d]. torch 2.15 prefers cuDNN's varlen kernel where eligible:
+    FlashAttention is pinned, so that the kernel named at start-up is the one that runs."""
     if max_length is None:
         max_length = int(cu_seqlens.diff().max())
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
-    out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, scale=scaling,
-                      window_size=(-1, 0), enable_gqa=k.shape[1] != q.shape[1])
+    options = {"window_size": (-1, 0)} if "window_size" in VARLEN_ARGS else {"is_causal": True}
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: the kernel shares kv heads, or we do
+        if "enable_gqa" in VARLEN_ARGS:
+            options["enable_gqa"] = True
+        else:
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, scale=scaling,
+                          **options)
     return out[None]
 
 

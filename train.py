@@ -48,6 +48,7 @@ import models  # noqa: E402
 import prompting  # noqa: E402
 import rollout  # noqa: E402
 import sampler  # noqa: E402
+import stack  # noqa: E402
 import vllm_rollout  # noqa: E402
 from batches import BatchSource  # noqa: E402
 from checks import check_config  # noqa: E402
@@ -419,11 +420,20 @@ def finish(cfg, model, saver, stopped, step, logger):
 # Main
 # ---------------------------------------------------------------------------------------------
 
-def main(argv=None):
+def setup(argv):
+    """Flags -> (cfg, device): the process group, the precision, and every check that needs no
+    data and no model."""
     cfg = environments.with_tools(parse_config(argv))  # --tools: their schemas in the template
     device = distributed.setup_distributed(cfg.ddp_timeout)
+    stack.took("versions", stack.versions())
+    stack.choose_precision(cfg, device)  # --bf16 unset: what the device computes natively
     check_config(cfg, distributed.world_size())
     directories.check_output_dir(cfg)
+    return cfg, device
+
+
+def main(argv=None):
+    cfg, device = setup(argv)
     dataset, eval_sets, vision = data.load_datasets(cfg)  # data first: cheaper to find it wrong
     model, ref_model, tokenizer, processor, dataset = load_models(
         cfg, dataset, eval_sets, vision, device)

@@ -8,12 +8,14 @@ import inspect
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import forward
 import lora
 import packing
+import stack
 import train
 from batches import Rollout
 from test_train import read_metrics, run, worker
@@ -377,35 +379,47 @@ def test_the_packed_attention_arguments_are_those_flash_attention_varlen_takes()
     assert isinstance(kwargs["max_length_q"], int) and kwargs["max_length_q"] == cu.diff().max()
 
 
-def flash_stand_in(calls):
-    """torch.nn.attention.varlen.varlen_attn's contract as its docstring states it, computed by
-    causal SDPA per sequence: [N, heads, d] in and out, int32 offsets, int maxima, causal as
-    window (-1, 0), enable_gqa when the kv heads are fewer. (The kernel itself needs a GPU.)"""
-    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
-                    enable_gqa=False):
+# varlen_attn's keywords by torch release: causal as is_causal (2.10) or window_size (2.11), kv
+# heads shared by the kernel (enable_gqa) from 2.12
+VARLEN_RELEASES = {"2.10": {"is_causal"}, "2.11": {"window_size"},
+                   "2.12+": {"window_size", "enable_gqa"}}
+
+
+def flash_stand_in(calls, release="2.12+"):
+    """torch.nn.attention.varlen.varlen_attn's contract as its docstring states it, for one release's
+    keywords, computed by causal SDPA per sequence: [N, heads, d] in and out, int32 offsets, int
+    maxima, causal, grouped-query heads only with enable_gqa. (The kernel itself needs a GPU; its
+    signature and shapes are checked against the installed torch on the meta device below.)"""
+    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, **options):
+        assert set(options) <= VARLEN_RELEASES[release], f"{set(options)} on torch {release}"
         assert q.dim() == k.dim() == 3 and q.stride(-1) == 1 and cu_q.dtype == torch.int32
         assert type(max_q) is int and max_q == max_k == cu_q.diff().max() and cu_k is cu_q
-        assert tuple(window_size) == (-1, 0) and enable_gqa == (k.shape[1] < q.shape[1])
+        causal = options.get("is_causal") or tuple(options.get("window_size", ())) == (-1, 0)
+        gqa = options.get("enable_gqa", False)
+        assert causal and (k.shape[1] == q.shape[1] or gqa)
         calls.append(q.shape)
-        return torch.cat([F.scaled_dot_product_attention(
-            *(x[s:e].transpose(0, 1) for x in (q, k, v)), scale=scale, is_causal=True,
-            enable_gqa=enable_gqa).transpose(0, 1)
-            for s, e in zip(cu_q[:-1].numpy(), cu_q[1:].numpy())])  # on the host: a CPU test
+        with sdpa_kernel([SDPBackend.MATH]):  # packing pins FlashAttention, which a CPU lacks
+            return torch.cat([F.scaled_dot_product_attention(
+                *(x[s:e].transpose(0, 1) for x in (q, k, v)), scale=scale, is_causal=True,
+                enable_gqa=gqa).transpose(0, 1)
+                for s, e in zip(cu_q[:-1].numpy(), cu_q[1:].numpy())])  # on the host: CPU only
     return varlen_attn
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_flash_varlen_takes_the_packed_row_in_one_call_per_layer_and_equals_padded(kind,
-                                                                                  monkeypatch):
+@pytest.mark.parametrize("kind,release", [("llama", "2.12+"), ("qwen2", "2.12+"),
+                                          ("qwen2", "2.11"), ("qwen2", "2.10")])
+def test_flash_varlen_takes_the_packed_row_in_one_call_per_layer_and_equals_padded(
+        kind, release, monkeypatch):
     """Where FlashAttention's varlen kernel fits (CUDA, fp16/bf16, no dropout) VARLEN hands it the
     whole row once a layer, without the host sync of the SDPA loop: layout, offsets, maxima from
-    pack() and grouped-query heads checked through the models' own attention calls."""
+    pack() and grouped-query heads (the kernel's from torch 2.12, repeated before) checked through
+    the models' own attention calls, for each release's keywords."""
     x = torch.zeros(1, 2, 3, 4)
-    assert not packing.flash_varlen_fits(x, 0.0)  # a CPU tensor takes the SDPA loop
-    assert not packing.flash_varlen_fits(x.bfloat16(), 0.0)
+    assert packing.packed_kernel(x, 0.0) == (packing.PER_SEQUENCE, "CPU")
     calls = []
-    monkeypatch.setattr(packing, "varlen_attn", flash_stand_in(calls))
-    monkeypatch.setattr(packing, "flash_varlen_fits", lambda query, dropout: True)
+    monkeypatch.setattr(packing, "varlen_attn", flash_stand_in(calls, release))
+    monkeypatch.setattr(packing, "VARLEN_ARGS", VARLEN_RELEASES[release])
+    monkeypatch.setattr(packing, "packed_kernel", lambda query, dropout: (packing.FLASH, "test"))
     model, batch = tiny(kind), long_tail_batch()
     inside = [False]  # within a layer's attention: no device-to-host read (a sync on a GPU)
     for read in ("tolist", "item", "__int__"):
@@ -421,3 +435,19 @@ def test_flash_varlen_takes_the_packed_row_in_one_call_per_layer_and_equals_padd
     N = int(batch.prompt_mask.sum() + batch.completion_mask.sum())
     assert calls == [(N, 4, 8)] * model.config.num_hidden_layers
     assert_same(packed, logps_and_grads(model, batch, padding_free=False))
+    assert stack.PATHS["packed attention"] == packing.FLASH
+
+
+@pytest.mark.skipif(packing.varlen_attn is None, reason="this torch has no varlen_attn")
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_flash_varlen_calls_the_installed_kernel_as_it_is_declared(kv_heads):
+    """The call packing makes, to the installed torch's own varlen_attn on the meta device (its
+    registered shapes run there, no GPU needed): a keyword this torch does not take, a layout or
+    dtype it refuses, or grouped-query heads without enable_gqa fail here, forward and backward."""
+    meta = dict(device="meta", dtype=torch.bfloat16, requires_grad=True)
+    query, key, value = (torch.empty(1, h, 37, 16, **meta) for h in (8, kv_heads, kv_heads))
+    cu_seqlens = torch.tensor([0, 10, 37], dtype=torch.int32, device="meta")
+    out = packing.flash_varlen(query, key, value, cu_seqlens, 27, 0.25)
+    assert out.shape == (1, 37, 8, 16) and out.dtype == torch.bfloat16
+    out.sum().backward()
+    assert key.grad.shape == key.shape and query.grad.shape == query.shape

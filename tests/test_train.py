@@ -82,7 +82,8 @@ def test_embedded_preset_applies_only_without_model_and_flags_win():
     assert cfg.learning_rate == train.EMBEDDED_PRESET["learning_rate"] and cfg.bf16 is False
     assert train.parse_config(["--learning_rate", "0.5"]).learning_rate == 0.5
     real = train.parse_config(["--model", "some/model"])
-    assert real.learning_rate == 1e-6 and real.bf16 and real.beta == 0.05 and real.num_generations == 2
+    assert real.learning_rate == 1e-6 and real.beta == 0.05 and real.num_generations == 2
+    assert real.bf16 is None  # unset: the device's native precision (stack.choose_precision)
 
 
 @pytest.mark.parametrize("args, message", [
