@@ -44,7 +44,6 @@ import argparse
 import json
 import os
 import re
-import resource
 import shutil
 import signal
 import statistics
@@ -56,6 +55,7 @@ import time
 import torch
 
 import bench_shapes
+import metrics
 import rewards
 import train
 import vllm_server
@@ -82,6 +82,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             vocab_size=256)
 ADDITION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "data",
                         "addition.jsonl")
+PEAK_METHOD = "GPU max_memory_allocated" if torch.cuda.is_available() else "VmHWM"
 PHASES = ["time/generation", "time/weight_sync", "time/reference", "time/rewards",
           "time/forward_backward",
           "time/optimizer"]
@@ -255,11 +256,11 @@ def summarize(name, steps, num_completions):
     print(f"  {'completions/max_length':32s} {med['completions/max_length']:10.2f}")
     mean_reward = statistics.mean(s["reward"] for s in steps)
     print(f"  {'reward (mean over the run)':32s} {mean_reward:10.4f}")
-    med["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"  {'peak_rss_mib':32s} {med['peak_rss_mib']:10.1f}")
-    if torch.cuda.is_available():
-        med["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2**20
-        print(f"  {'peak_cuda_mib':32s} {med['peak_cuda_mib']:10.1f}")
+    # one method for both trainers, each in a process of its own: the process's high-water mark
+    # (metrics.run_peak: the CPU's VmHWM, the GPU allocator's max_memory_allocated), which nothing
+    # resets; getrusage's ru_maxrss would carry a parent's over exec
+    med["peak_mib"] = metrics.run_peak()
+    print(f"  {'peak_mib (' + PEAK_METHOD + ')':32s} {med['peak_mib']:10.1f}")
     med["tokens_per_second/generation"] = tokens / med["time/generation"]
     return med
 
@@ -526,7 +527,7 @@ def reward_curve(out):
 
 def print_table(results):
     keys = ["step_time", "time/generation", "time/reference", "time/forward_backward",
-            "time/optimizer", "tokens_per_second/generation", "peak_cuda_mib", "peak_rss_mib"]
+            "time/optimizer", "tokens_per_second/generation", "peak_mib"]
     print("| variant | " + " | ".join(keys) + " |\n" + "|---" * (len(keys) + 1) + "|")
     for name in GPU_VARIANTS:
         print(f"| {name} | " + " | ".join(f"{results[name][k]:.4g}" if isinstance(

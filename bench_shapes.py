@@ -8,12 +8,11 @@ tokens; completions of 8..512 tokens (cubed uniform: mean ~128, a few near 512),
 between turns (context, outside s_i). Micro-batches of 16, fp32. A step is train.py's after
 generation (unchanged by these flags): the reference's no-grad forward (batch_logps, as beta > 0
 runs it) and policy_step (forward+backward, optimizer). Each variant runs in a fresh process, since
-peak memory is a process's high-water mark: on a CPU the peak RSS over the RSS before the first
-step, on a GPU torch.cuda.max_memory_allocated."""
+peak memory is a process's high-water mark (metrics.run_peak: the peak RSS on a CPU, the
+allocator's max_memory_allocated on a GPU), reported above what was in use before the first step."""
 import argparse
 import dataclasses
 import json
-import resource
 import shutil
 import statistics
 import subprocess
@@ -24,6 +23,7 @@ import torch
 
 import environments
 import forward
+import metrics
 import prompting
 import rollout
 import train
@@ -87,32 +87,22 @@ def run_variant(model_dir, flags, steps, multi_turn):
     scores = train.Scores(None, None, batch.model_tokens().float(), torch.randn(B, device=device))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    rss_before = resident_mib()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+    before = metrics.in_use()
     rows = []
     for _ in range(steps + 1):
         start = time.perf_counter()
         forward.batch_logps(reference, batch, cfg)
         row = {"time/reference": time.perf_counter() - start}
-        row.update(train.policy_step(cfg, model, optimizer, scheduler, batch, scores)[3])
+        row.update(metrics.settle(train.policy_step(cfg, model, optimizer, scheduler, batch,
+                                                    scores)[3]))
         row["step_time"] = time.perf_counter() - start
         rows.append(row)
     med = {key: statistics.median(row[key] for row in rows[1:]) for key in rows[0]}
     training = med["time/forward_backward"] + med["time/optimizer"]
     tokens = int(batch.prompt_mask.sum() + batch.completion_mask.sum())
     med["tokens_per_second/training"] = tokens / training
-    if device.type == "cuda":
-        med["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
-    else:  # ru_maxrss: KiB on Linux
-        med["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - rss_before
+    med["peak_mib"] = metrics.run_peak() - before  # the process's peak above the models and batch
     return med
-
-
-def resident_mib():
-    """This process's resident memory now (Linux)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
 def long_tail(model_dir, steps, multi_turn):

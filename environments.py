@@ -41,6 +41,7 @@ import tools
 from batches import Rollout
 from config import fail
 from forward import micro_batches
+from metrics import merge_timings
 from prompting import is_conversational, pad, prompt_tensors, repeat_each, tokenize_prompts
 from reward_calls import user_error
 
@@ -326,8 +327,7 @@ class MultiTurn:
             turn_seed = None if seed is None else seed + 7919 * turn
             out = generator.generate({"prompt": [t.prompt_ids + t.ids for t in going],
                                       "trajectory": active}, turn_seed, cfg=call_cfg)
-            for key, value in out.timings.items():
-                timings[key] = timings.get(key, 0.0) + value
+            merge_timings(timings, out.timings)
             for j, t in enumerate(going):
                 ids = out.completion_lists[j][:self.room(t)]
                 logps = out.sampler_logps

@@ -10,6 +10,7 @@ rank == 0`.
 import json
 import math
 import os
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -24,31 +25,123 @@ from rloo import combine_rewards
 
 @contextmanager
 def timed(timings, name):
-    """Add the wall-clock seconds the block takes to timings[name] (on a GPU, queued work finishes
-    later), and its peak memory in MiB to memory/<phase> (the largest over the step's calls)."""
-    start, phase = time.perf_counter(), {"peak": 0.0}
-    for outer in OPEN_PHASES:  # a nested phase restarts the peak: fold it into the enclosing ones
-        outer["peak"] = max(outer["peak"], peak_memory())
-    reset_peak_memory()
+    """Add the seconds the block takes to timings[name], and the most memory in use during it, in
+    MiB, to memory/<phase> (the largest over the step's calls). On a GPU each end of the block is
+    a CUDA event on the current stream, so the kernels it queued count in it, not in the phase
+    after; the seconds are Spans until settle() reads them, once a step (one synchronization, none
+    per phase or micro-batch). Nothing here resets a process-wide peak: memory/run_peak and any
+    outside reading of the process's peak stay true."""
+    start, phase = mark(), {"peak": in_use()}
     OPEN_PHASES.append(phase)
+    sampler = MemorySampler() if len(OPEN_PHASES) == 1 else None  # one for the outermost phase
     try:
         yield
     finally:
-        timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
-        OPEN_PHASES.pop()
-        peak, key = peak_memory(), "memory/" + name.split("/", 1)[-1]
-        for frame in (phase, *OPEN_PHASES):
-            frame["peak"] = max(frame["peak"], peak)
-        if phase["peak"]:
-            timings[key] = max(timings.get(key, 0.0), phase["peak"])
+        if sampler is not None:
+            sampler.stop()
+        for frame in OPEN_PHASES:
+            frame["peak"] = max(frame["peak"], in_use())
+        OPEN_PHASES.pop()  # this one: phases nest
+        merge_timings(timings, {name: Spans([(start, mark())]),
+                                "memory/" + name.split("/", 1)[-1]: phase["peak"]})
 
 
-OPEN_PHASES = []  # the timed() blocks running, innermost last
+OPEN_PHASES = []  # the timed() blocks running, innermost last: {"peak": MiB seen so far}
+SAMPLE_EVERY = 0.002  # seconds between two readings of the memory in use during a phase
 
 
-def peak_memory():
-    """MiB at most in use since the last reset_peak_memory: the GPU allocator's peak, else this
-    process's peak resident set (Linux's VmHWM; 0 where there is none)."""
+class Spans(list):
+    """A phase's (start mark, end mark) pairs, one per call, until settle() reads their seconds."""
+
+    def seconds(self):
+        return sum(end - start if isinstance(end, float) else start.elapsed_time(end) / 1000
+                   for start, end in self)
+
+
+def mark():
+    """A phase boundary: a CUDA event recorded on the current stream where CUDA runs (it completes
+    when the kernels queued before it have), else the host's clock."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def merge_timings(into, timings):
+    """Phases of one step gathered in one dict: seconds (Spans) add up, memory/ peaks take the
+    larger, other numbers add."""
+    for key, value in timings.items():
+        old = into.get(key)
+        if old is None:
+            into[key] = Spans(value) if isinstance(value, Spans) else value
+        elif key.startswith("memory/"):
+            into[key] = max(old, value)
+        elif isinstance(old, Spans) or isinstance(value, Spans):
+            into[key] = Spans([*as_spans(old), *as_spans(value)])
+        else:
+            into[key] = old + value
+
+
+def as_spans(value):
+    return value if isinstance(value, Spans) else [(0.0, float(value))]
+
+
+def settle(metrics):
+    """Every phase's Spans in metrics -> its seconds, after one synchronization on the latest end
+    event (CUDA events complete in order). Once a step, before its metrics are used."""
+    events = [end for spans in metrics.values() if isinstance(spans, Spans)
+              for _, end in spans if not isinstance(end, float)]
+    if events:
+        events[-1].synchronize()
+        SYNCS[0] += 1
+    for key, value in metrics.items():
+        if isinstance(value, Spans):
+            metrics[key] = value.seconds()
+    return metrics
+
+
+SYNCS = [0]  # settle()'s synchronizations: one a step (a test counts them)
+
+
+def in_use():
+    """MiB in use now: the GPU allocator's, else this process's resident set (0 where unknown)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.memory_allocated() / 2**20
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * PAGE / 2**20
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+class MemorySampler:
+    """A thread that reads the memory in use every SAMPLE_EVERY seconds into every open phase: a
+    phase's peak without resetting the process's (a spike shorter than that may fall between two
+    readings; memory/run_peak is exact)."""
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.sample, name="rloo-memory", daemon=True)
+        self.thread.start()
+
+    def sample(self):
+        while not self.done.wait(SAMPLE_EVERY):
+            now = in_use()
+            for frame in tuple(OPEN_PHASES):
+                frame["peak"] = max(frame["peak"], now)
+
+    def stop(self):
+        self.done.set()
+        self.thread.join()
+
+
+def run_peak():
+    """MiB at most in use since the process started: the GPU allocator's high-water mark, else the
+    peak resident set (Linux's VmHWM). No code of rloo resets either."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.max_memory_allocated() / 2**20
     try:
@@ -56,17 +149,6 @@ def peak_memory():
             return int(f.read().split("VmHWM:")[1].split()[0]) / 1024
     except (OSError, IndexError, ValueError):
         return 0.0
-
-
-def reset_peak_memory():
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.reset_peak_memory_stats()
-        return
-    try:  # "5" resets the peak resident set (proc(5), /proc/pid/clear_refs)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
 
 
 def nanstd(x):
@@ -141,10 +223,12 @@ def batch_metrics(cfg, batch, scores, rewards, timings):
     metrics = generation_metrics(columns, rewards.names, weights, cfg.num_generations)
     if batch.turn_stats is not None:
         metrics.update(turn_metrics(columns))
-    metrics.update({**timings, **batch.timings, **scores.timings,
-                    **logged_metrics(batch.logged_metrics)})
+    for timings_part in (timings, batch.timings, scores.timings):
+        merge_timings(metrics, timings_part)
+    settle(metrics)  # the phases' seconds, read once a step
+    metrics.update(logged_metrics(batch.logged_metrics))
     generated = columns["lengths"].sum().item()
-    metrics["tokens_per_second/generation"] = generated / timings["time/generation"]
+    metrics["tokens_per_second/generation"] = generated / metrics["time/generation"]
     return metrics, columns["tokens"].sum().item()
 
 
@@ -172,8 +256,9 @@ def step_metrics(sums, grad_norm, scheduler, timings, batch_tokens):
                # TRL's min / max over the step's per-sequence 0/1 clip flags
                "clip_ratio/low_min": float(sums["clipped_low"] == sequences),
                "clip_ratio/high_max": float(sums["clipped_high"] > 0),
-               "nonfinite_skipped": float(not torch.isfinite(grad_norm)), **timings,
-               "tokens_per_second/training": batch_tokens / timings["time/training"]}
+               "nonfinite_skipped": float(not torch.isfinite(grad_norm)),
+               **settle(dict(timings)), "memory/run_peak": run_peak()}
+    metrics["tokens_per_second/training"] = batch_tokens / metrics["time/training"]
     if "aux_loss" in sums:  # MoE: the router's load-balancing loss, before its coefficient
         metrics["aux_loss"] = sums["aux_loss"] / sequences
     if "sampler_drift" in sums:

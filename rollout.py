@@ -17,6 +17,7 @@ from transformers import (DynamicCache, GenerationConfig, LogitsProcessor, Logit
 from transformers.cache_utils import DynamicLayer, StaticLayer
 from transformers.generation.logits_process import SuppressTokensLogitsProcessor
 
+import stack
 from batches import Rollout
 from forward import micro_batches
 from prompting import (eos_token_ids, image_token_ids, pad, pixel_inputs_for, prompt_tensors,
@@ -282,6 +283,7 @@ class Decoding:
     cache: object
     static: bool  # StaticCache: fixed shapes, the full-width mask
     filled: int = 0
+    model: object = None  # whose kept static caches a grown one is taken from
 
     def fit(self, columns, rows=slice(None)):
         """Room for `columns`, and only `rows` (row numbers) if given: the buffers and every cache
@@ -291,15 +293,21 @@ class Decoding:
             return
         grow = (0, width - self.ids.shape[1])
         self.ids, self.mask = F.pad(self.ids[rows], grow), F.pad(self.mask[rows], grow)
+        if self.static:  # into the model's kept cache of the new width, not new buffers: a compiled
+            # step's CUDA graphs replay on the addresses they were recorded on (kv_cache)
+            old, self.cache = self.cache, kv_cache(self.model, width, True, len(self.ids))
+            for layer, kept in zip(old.layers, self.cache.layers):
+                if layer.is_initialized:
+                    keys, values = layer.keys[rows], layer.values[rows]
+                    if not kept.is_initialized:
+                        kept.lazy_initialization(keys, values)
+                    n = keys.shape[2]
+                    kept.keys[:, :, :n], kept.values[:, :, :n] = keys, values
+                    kept.cumulative_length.copy_(layer.cumulative_length)
+            return
         for layer in self.cache.layers:
             if isinstance(layer, KVBuffer):
                 layer.resize(rows, width)
-            elif layer.is_initialized:  # StaticLayer: new zeroed buffers, marked static
-                old, layer.max_cache_len = (layer.keys[rows], layer.values[rows]), width
-                layer.lazy_initialization(*old)
-                layer.keys[:, :, :old[0].shape[2]], layer.values[:, :, :old[1].shape[2]] = old
-            else:
-                layer.max_cache_len = width
 
     def reusable(self):
         """Only full-attention layers can keep a row's cache across turns: the waiting columns
@@ -336,6 +344,8 @@ def decode(model, prompt_ids, prompt_mask, cfg, eos_ids, pad_id, keys, static=No
     out = model(input_ids=prompt_ids, attention_mask=mask if static else mask[:, :L],
                 position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
     step, positions = decode_step(model, cfg), positions[:, -1:] + 1  # [B, 1]
+    if cfg.compile_decode:
+        watch_static_inputs(model, cache, ids.shape)
     logps = torch.zeros(B, T, device=prompt_ids.device)  # [B, T]
     ended = ~prompt_mask.any(-1)  # [B] rows sitting the turn out
     for t in range(T):
@@ -375,9 +385,11 @@ def new_decoding(model, rows, columns, static, pad_id, device, cfg):
     """static None: static_cache's choice."""
     static = static_cache(device.type, cfg) if static is None else static
     width = round_up(columns, 256) if static else columns  # few distinct shapes: few compilations
+    stack.took("KV cache", "StaticCache" if static else "KVBuffer",
+               "--compile_decode: fixed shapes" if static else "grows in place")
     return Decoding(torch.full((rows, width), pad_id, device=device),
                     torch.zeros((rows, width), dtype=torch.long, device=device),
-                    kv_cache(model, width, static, rows), static)
+                    kv_cache(model, width, static, rows), static, model=model)
 
 
 def round_up(n, multiple):
@@ -390,13 +402,10 @@ def kv_cache(model, capacity, static, rows=None):
     the tokens so far)."""
     if static:  # one per shape, kept: CUDA graphs replay on the buffers they were recorded with
         caches = STATIC_CACHES.setdefault(model, {})
-        cache = caches.get((rows, capacity))
-        if cache is None or any(layer.is_initialized and layer.max_cache_len != capacity
-                                for layer in cache.layers):
-            cache = caches[rows, capacity] = StaticCache(config=model.config,
-                                                         max_cache_len=capacity)
-        cache.reset()
-        return cache
+        if (rows, capacity) not in caches:
+            caches[rows, capacity] = StaticCache(config=model.config, max_cache_len=capacity)
+        caches[rows, capacity].reset()
+        return caches[rows, capacity]
     cache = DynamicCache(config=model.config)
     cache.layers = [KVBuffer(capacity) if type(layer) is DynamicLayer else layer
                     for layer in cache.layers]
@@ -409,15 +418,47 @@ COMPILE_BACKEND = "inductor"  # tests count graphs with another
 
 
 def decode_step(model, cfg):
-    """The per-token forward: the model, or with --compile_decode its torch.compile (CUDA graphs on
-    a GPU, mode reduce-overhead), compiled once per model and reused while shapes repeat."""
+    """The per-token forward: the model, or with --compile_decode its torch.compile, compiled once
+    per model and reused while shapes repeat (compile_mode: with CUDA graphs or without)."""
     if not cfg.compile_decode:
         return model
     if model not in COMPILED_STEPS:
-        mode = "reduce-overhead" if next(model.parameters()).device.type == "cuda" else None
+        mode, why = compile_mode(model, next(model.parameters()).device)
+        stack.took("decode step", f"torch.compile mode {mode}", why)
         COMPILED_STEPS[model] = torch.compile(model, mode=mode, dynamic=False,
                                               backend=COMPILE_BACKEND)
     return COMPILED_STEPS[model]
+
+
+def compile_mode(model, device):
+    """CUDA graphs (mode reduce-overhead) where their static inputs stay put from one generation to
+    the next: the weights of a model FSDP2 does not shard (updated in place) and the kept static
+    caches (kv_cache). An FSDP2 model's weights are gathered anew into fresh storage at each
+    generation (its reshard frees them for training), so CUDA graphs would re-record every time:
+    compiled without them. watch_static_inputs counts what moved. -> (mode, why)"""
+    if device.type != "cuda":
+        return None, "no CUDA graphs off a GPU"
+    if isinstance(model, FSDPModule):
+        return None, "FSDP2 gathers the weights to new addresses each generation: no CUDA graphs"
+    return "reduce-overhead", "CUDA graphs"
+
+
+# --compile_decode: for each model and decode shape, the addresses of the step's static inputs (its
+# weights, the static KV cache) at the last generation, and how many generations found them moved
+STATIC_INPUTS = weakref.WeakKeyDictionary()  # model -> {shape: addresses}
+STATIC_INPUTS_MOVED = [0]
+
+
+def watch_static_inputs(model, cache, shape):
+    """Count a generation whose static inputs sit elsewhere than the last one of the same shape:
+    where CUDA graphs run, cudagraph trees would record them again."""
+    addresses = [p.data_ptr() for p in model.parameters()] + [
+        t.data_ptr() for layer in cache.layers if getattr(layer, "is_initialized", False)
+        for t in (layer.keys, layer.values)]
+    seen = STATIC_INPUTS.setdefault(model, {})
+    if seen.get(tuple(shape), addresses) != addresses:
+        STATIC_INPUTS_MOVED[0] += 1
+    seen[tuple(shape)] = addresses
 
 
 class RecordLogps(LogitsProcessor):

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import warnings
 
 import pytest
@@ -235,17 +236,15 @@ def test_the_sharded_policy_returns_log_probs_that_are_no_view(process_group, pa
 # ------------------------------------------------------------------------------------------- memory per phase
 
 def test_each_timed_phase_reports_its_peak_memory_and_an_enclosing_phase_keeps_its_inner_peaks():
-    """memory/<phase> beside time/<phase>: the allocator's peak on a GPU, the peak resident set on a CPU (Linux),
-    reset at each phase; a phase nested in another (forward_backward in training) folds into the outer's peak."""
-    import mmap
+    """memory/<phase> beside time/<phase>: the most in use during the phase (the allocator's on a GPU, the resident
+    set on a CPU), read by a sampler while the phase runs; a phase nested in another (forward_backward in training)
+    counts in the outer's peak, and a later, smaller phase reports its own."""
     timings = {}
     with metrics.timed(timings, "time/training"):
         with metrics.timed(timings, "time/forward_backward"):
-            # 64 MiB of fresh pages, touched: in a long test process a tensor may land in memory the allocator
-            # already holds resident, which raises no peak
-            big = mmap.mmap(-1, 64 * 2**20)
-            big.write(b"\1" * len(big))
-            big.close()
+            big = torch.ones(64 * 2**20 // 4)  # 64 MiB of fresh pages, alive for a while as activations are
+            time.sleep(0.1)
+            del big
         with metrics.timed(timings, "time/optimizer"):
             pass
     assert {"memory/training", "memory/forward_backward", "memory/optimizer"} <= set(timings)
@@ -274,6 +273,31 @@ def test_compile_decode_on_an_fsdp2_model_is_one_graph_over_two_generations(proc
     assert counter.frame_count == 1, counter.frame_count
     assert len(caches) == 2 and caches[0] is caches[1]
     assert all(isinstance(p, DTensor) for p in model.parameters())  # resharded after each
+
+
+def test_compile_decode_takes_cuda_graphs_only_where_their_static_inputs_stay_put(process_group):
+    """CUDA graphs replay on the addresses they were recorded on (cudagraph trees record again for a static input
+    that moved). Two generations with an optimizer step between: a plain model's weights (updated in place) and its
+    kept static cache stay put, so it gets mode reduce-overhead on a GPU; an FSDP2 model's gathered weights move at
+    every generation (rollout.STATIC_INPUTS_MOVED counts it), so it is compiled without CUDA graphs."""
+    cuda = torch.device("cuda")  # a device as data: nothing here touches a GPU
+    moved = {}
+    for bf16 in (False, True):  # one process: bf16 is FSDP2's mixed precision, fp32 a plain model
+        model, tokenizer, _ = data.embedded_task(seed=0)
+        cfg = cfg_for(bf16=bf16, compile_decode=True, max_completion_length=6, num_generations=2)
+        model = models.prepare_model(model, cfg, trainable=True)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        before, held = rollout.STATIC_INPUTS_MOVED[0], []
+        for seed in (0, 1):
+            with torch.no_grad():  # the step between two generations, in place
+                for p in model.parameters():
+                    p.grad = torch.ones_like(p)
+            optimizer.step()
+            rollout.generate(model, tokenizer, {"prompt": ["12=", "345="]}, cfg, torch.device("cpu"), seed=seed)
+            held += [torch.ones(p.shape) for p in model.parameters()]  # what training allocates meanwhile
+        moved[bf16] = rollout.STATIC_INPUTS_MOVED[0] - before
+        assert rollout.compile_mode(model, cuda)[0] == (None if bf16 else "reduce-overhead")
+    assert moved[False] == 0 and moved[True] == 1, moved
 
 
 def test_under_torchrun_only_rank_0_holds_the_full_weights_on_the_host_while_loading(tmp_path):

@@ -240,6 +240,11 @@ def test_the_static_cache_grows_across_turns_and_samples_what_the_growing_one_do
     for other in rollouts[1:]:
         assert torch.equal(other.completion_ids, rollouts[0].completion_ids)
         torch.testing.assert_close(other.sampler_logps, rollouts[0].sampler_logps, atol=1e-5, rtol=0)
+    # the next generation decodes into the same kept caches, 256 columns then 512: a compiled step's CUDA graphs
+    # would replay, not record again (the grown cache once replaced the kept 256-column one: moved)
+    moved = rollout.STATIC_INPUTS_MOVED[0]
+    again = loop.generate(dataset[:3], seed=0)
+    assert rollout.STATIC_INPUTS_MOVED[0] == moved and torch.equal(again.completion_ids, rollouts[2].completion_ids)
 
 
 def test_a_sliding_window_model_decodes_each_turn_afresh():
