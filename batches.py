@@ -172,10 +172,13 @@ class BatchSource:
         return {"position": self.position, "in_flight": list(self.in_flight)}
 
     def close(self):
-        """The generation thread, joined before the process group goes, then the generator."""
+        """The generation thread, joined before the process group goes, then the generator: once,
+        at the end of the run or on its way out (process.borrowed)."""
         if self.pool:
             self.pool.shutdown(wait=True, cancel_futures=True)
-        self.generator.close()
+        if self.generator is not None:
+            self.generator.close()
+            self.generator = None
 
 
 def finished(rollout):

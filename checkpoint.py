@@ -135,7 +135,6 @@ def watch_signals(device, output_dir):
     SIGTERM after it died, or the collective that failed) ends the run with one line instead
     (stop_for_lost_peer): no step can end, nor a checkpoint be saved, without it."""
     flag, main_thread = torch.zeros(1, device=device), threading.main_thread().ident
-    uncaught = sys.excepthook
 
     def stop_reward_if_still_running():
         if reward_calls.calling[0]:
@@ -160,17 +159,19 @@ def watch_signals(device, output_dir):
             timer.daemon = True  # it must not hold the exit
             timer.start()
 
-    def report(kind, error, traceback):  # an error that reached the top: a lost peer's, or ours
-        in_group = len(distributed.PEERS) > 1 and issubclass(kind, Exception)
-        lost = distributed.lost_peers() if in_group else []
-        if lost or (in_group and distributed.collective_failed(error)):
-            stop_for_lost_peer(output_dir, lost, error)
-        uncaught(kind, error, traceback)
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in (signal.SIGTERM, signal.SIGINT):  # put back when the run ends (process.py)
         signal.signal(signum, handle)
-    sys.excepthook = report
     return flag
+
+
+def stop_if_a_peer_is_lost(output_dir, error):
+    """An error on its way out of a run of several processes: a peer's that ended, or a collective
+    that failed, is one line naming the peer and the checkpoint to resume from (stop_for_lost_peer,
+    which exits); any other error goes on."""
+    in_group = len(distributed.PEERS) > 1
+    lost = distributed.lost_peers() if in_group else []
+    if lost or (in_group and distributed.collective_failed(error)):
+        stop_for_lost_peer(output_dir, lost, error)
 
 
 def stop_for_lost_peer(output_dir, lost, error=None):

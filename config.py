@@ -24,12 +24,19 @@ from tqdm import tqdm  # noqa: E402
 from transformers import HfArgumentParser  # noqa: E402
 
 
+class Failed(SystemExit):
+    """A run stopped with one line: bad input, found where it enters, or a condition that makes the
+    run meaningless. A SystemExit, as argparse's errors are: the command line prints the line and
+    exits with status 1, no `except Exception` on the way wraps it, and a caller of train.main
+    catches it by name (str(e) is the line)."""
+
+
 def fail(message):
-    """Stop with one clear line (no traceback): for bad input, found where it enters. A progress
-    bar on screen is wiped first, or the line would be printed onto the bar's."""
+    """Stop with one clear line (no traceback). A progress bar on screen is wiped first, or the
+    line would be printed onto the bar's."""
     for bar in list(tqdm._instances):
         bar.clear()
-    raise SystemExit(f"error: {message}")
+    raise Failed(f"error: {message}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,10 +27,10 @@ trajectory is one action, its log-prob the sum over the model's own tokens).
 """
 import copy
 import dataclasses
-import functools
 import inspect
 import random
 import sys
+import weakref
 
 import numpy as np
 import torch
@@ -92,16 +92,15 @@ BUILTINS = {"lookup": lookup_environment,
             "lookup_scored": lambda row: ScoredLookup(row["target"])}
 
 
-@functools.cache  # one import per run: reward sources compare the classes it defines by identity
 def load_environment(spec):
     """--environment: a built-in name or FILE.py:NAME -> NAME, a factory or a dict of named
-    factories. One line if it does not load."""
+    factories (the file's one module of the run: user_code). One line if it does not load."""
     if spec in BUILTINS:
         return BUILTINS[spec]
     source, _, name = spec.rpartition(":")
     if not source.endswith(".py") or not name:
         fail(f"--environment {spec}: give FILE.py:FACTORY or one of {sorted(BUILTINS)}")
-    factory = getattr(tools.import_file(source, "environment file"), name, None)
+    factory = getattr(tools.import_file(source, "environment"), name, None)
     if isinstance(factory, dict):
         bad = [k for k, f in factory.items() if not isinstance(k, str) or not callable(f)]
         if bad or not factory:
@@ -149,7 +148,7 @@ def open_environment(factory, row):
     return env, observation
 
 
-SCHEMAS = {}  # TRL environment class -> its chat template kwargs
+SCHEMAS = weakref.WeakKeyDictionary()  # TRL environment class -> its chat template kwargs
 
 
 def class_tools(cls, methods):

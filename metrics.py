@@ -323,7 +323,7 @@ class Logger:
         window and keeps the lines of metrics.jsonl up to its step, dropping those an interrupted
         run wrote after it. steps_per_epoch (None for a stream) gives the epoch metric."""
         self.is_main, self.window = distributed.is_main(), state.window
-        self.wandb, self.tensorboard, self.reward = None, None, math.nan
+        self.wandb, self.tensorboard, self.reward, self.last = None, None, math.nan, {}
         self.printed, self.unique_prompts = cfg.num_completions_to_print, cfg.log_unique_prompts
         self.logging_steps, self.total_steps = cfg.logging_steps, total_steps
         self.steps_per_epoch = steps_per_epoch
@@ -379,7 +379,7 @@ class Logger:
         means.update(totals)
         if self.steps_per_epoch:  # as the Hugging Face Trainer logs it: passes over the prompts
             means["epoch"] = step / self.steps_per_epoch
-        self.window = {}
+        self.window, self.last = {}, {"step": step, **means}
         self.write(step, means)
         return means
 
@@ -423,7 +423,8 @@ class Logger:
             self.wandb.log({"completions": wandb.Table(columns=columns, data=rows)}, step=step)
 
     def close(self):
-        if self.is_main:
+        """Once, at the end of the run or on its way out (finish, and process.borrowed)."""
+        if self.is_main and not self.jsonl.closed:
             self.bar.close()
             self.jsonl.close()
             if self.wandb:

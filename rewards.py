@@ -16,7 +16,6 @@ all ranks.
 
 import importlib
 import importlib.util
-import itertools
 import os
 import re
 import sys
@@ -26,7 +25,7 @@ import torch
 from transformers import TrainerState
 
 import distributed
-import tools
+import user_code
 from config import fail
 from models import load_reward_model, prepare_model
 from reward_calls import RewardError, compute_rewards, reward_name, user_error
@@ -165,7 +164,7 @@ def reward_module(source, spec):
     """The module of 'SOURCE:function': a .py file or a package directory, by path, else a module
     name on sys.path. A failure is a ValueError of one line."""
     if source.endswith(".py") or os.path.isdir(source):
-        return module_from_path(source)
+        return user_code.load(source, "reward function")
     try:
         return importlib.import_module(source)
     except BaseException as e:  # noqa: BLE001 (a failing import inside it, sys.exit)
@@ -187,27 +186,6 @@ def shadowed(module, source, name):
 
 
 PROJECT = os.path.dirname(os.path.abspath(__file__))
-loaded_modules = itertools.count()  # a name of its own for each file or package loaded by path
-
-
-def module_from_path(source):
-    """A .py file, or a package directory through its __init__.py, imported under a name of its
-    own and registered in sys.modules: a package's relative imports and a file's dataclasses need
-    it, and no module of the same name (json.py, data.py) is replaced."""
-    package = os.path.isdir(source)
-    entry = os.path.join(source, "__init__.py") if package else source
-    if not os.path.isfile(entry):
-        raise ValueError(f"reward function directory {source!r} has no __init__.py: make it a "
-                         "package, or give DIR/FILE.py:FUNCTION" if package
-                         else f"reward function file {source!r} does not exist")
-    stem = os.path.basename(os.path.normpath(source)).removesuffix(".py")
-    name = f"rloo_reward_{next(loaded_modules)}_{stem}"
-    try:
-        return tools.exec_module_at(name, entry, source if package else None)
-    except BaseException as e:  # noqa: BLE001 (a syntax error, a failing import, sys.exit)
-        what = "package" if package else "file"
-        message = f"cannot load reward function {what} {source!r}: {user_error(e)}"
-        raise ValueError(message) from None
 
 
 def reward_model(path, prepare_model, device):

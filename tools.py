@@ -28,21 +28,18 @@ call without arguments means no arguments.
 """
 
 import asyncio
-import importlib.util
 import inspect
-import itertools
 import json
-import os
 import re
 import sys
 import threading
-import traceback
 from dataclasses import dataclass, field
 
 from transformers.utils import get_json_schema
 from transformers.utils.chat_template_utils import (DocstringParsingException,
                                                     TypeHintParsingException)
 
+import user_code
 from config import fail
 
 STYLES = ("hermes", "llama3")
@@ -77,48 +74,13 @@ def load_tools(spec):
     return funcs
 
 
-imported_files = itertools.count()  # a module name of its own for each file
-
-
-def import_file(source, what="tool file"):
-    """The module of a .py file, imported by path; one line naming the file and the line if the
-    file does not exist or raises while it is imported (environments.py's files too)."""
-    if not os.path.isfile(source):
-        fail(f"{what} {source!r} does not exist")
-    name = f"rloo_{what.split()[0]}_{next(imported_files)}_{os.path.basename(source)[:-3]}"
+def import_file(source, what="tool"):
+    """The module of a .py file, imported by path, once a run (user_code.load); one line naming the
+    file and the line if the file does not exist or raises while it is imported."""
     try:
-        return exec_module_at(name, source)
-    except BaseException as e:  # noqa: BLE001 (a syntax error, a failing import, sys.exit)
-        fail(f"cannot load {what} {source}: {import_error(e, source)}")
-
-
-def exec_module_at(name, entry, package_dir=None):
-    """The module of the file `entry` under `name`, registered in sys.modules (dataclasses look
-    their module up there; a failed import is taken out again). package_dir: entry is that
-    package's __init__.py, so its relative imports work."""
-    module_spec = importlib.util.spec_from_file_location(
-        name, entry, submodule_search_locations=[package_dir] if package_dir else None)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
-
-
-def import_error(error, source):
-    """What went wrong importing `source`, in one line with the line of `source` it came from."""
-    if isinstance(error, SystemExit):
-        return f"it called sys.exit({error.code!r})"
-    if isinstance(error, SyntaxError):
-        return f"SyntaxError: {error.msg} ({error.filename}, line {error.lineno})"
-    path = os.path.realpath(source)
-    lines = [f.lineno for f in traceback.extract_tb(error.__traceback__)
-             if os.path.realpath(f.filename) == path]
-    where = f"line {lines[-1]} raised " if lines else ""
-    return f"{where}{type(error).__name__}: {error}"
+        return user_code.load(source, what)
+    except ValueError as e:
+        fail(str(e))
 
 
 def tool_schema(func):

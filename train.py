@@ -27,6 +27,7 @@ import math
 import os
 import sys
 from collections import defaultdict
+from contextlib import closing
 
 # bitsandbytes (imported by peft, imported by transformers' schedulers) notes at import that its
 # fast CPU 4-bit kernel is missing, in every run; it matters only to --load_in_4bit (models says so)
@@ -34,7 +35,6 @@ logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 import torch  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 from transformers import get_scheduler  # noqa: E402
 
 import checkpoint  # noqa: E402
@@ -45,6 +45,7 @@ import environments  # noqa: E402
 import forward  # noqa: E402
 import lora  # noqa: E402
 import models  # noqa: E402
+import process  # noqa: E402
 import prompting  # noqa: E402
 import rollout  # noqa: E402
 import sampler  # noqa: E402
@@ -52,10 +53,11 @@ import stack  # noqa: E402
 import vllm_rollout  # noqa: E402
 from batches import BatchSource  # noqa: E402
 from checks import check_config  # noqa: E402
-from config import EMBEDDED_PRESET, Config, fail, parse_config  # noqa: E402, F401
+from config import EMBEDDED_PRESET, Config, Failed, fail, parse_config  # noqa: E402, F401
 from config import generation_steps  # noqa: E402
 from sampler_rules import low_precision, sampler_logps_exact  # noqa: E402
 from evaluation import eval_config, evaluate  # noqa: E402
+from health import RunHealth  # noqa: E402
 from metrics import (Logger, batch_metrics, completions_table, sampling_sums,  # noqa: E402
                      show_samples, step_metrics, timed)
 from rewards import load_rewards  # noqa: E402
@@ -343,46 +345,6 @@ def update(cfg, model, optimizer, scheduler, batch, scores):
             yield distributed.reduce_sums(sums), grad_norm, {**step_timings, **timings}
 
 
-# ---------------------------------------------------------------------------------------------
-# What makes a run meaningless
-# ---------------------------------------------------------------------------------------------
-
-class RunHealth:
-    """What makes a run meaningless, each stopped with one line: optimizer steps in a row with a
-    NaN/inf gradient (each was skipped), generated batches in a row that no reward function scored
-    (all None: no signal, a warning the first time), and at the end a run in which no step updated
-    the weights (nothing is saved as trained)."""
-
-    def __init__(self, cfg):
-        self.cfg, self.nonfinite, self.unscored, self.updated = cfg, 0, 0, 0
-
-    def scored(self, reward, step):
-        """reward: the global batch's mean reward, NaN when nothing was scored."""
-        self.unscored = self.unscored + 1 if math.isnan(reward) else 0
-        if self.unscored == 1 and distributed.is_main():
-            tqdm.write(f"rloo: WARNING: step {step}: every reward function returned None for "
-                       "every completion: this batch has no learning signal", file=sys.stderr)
-        if self.unscored >= self.cfg.max_nonfinite_steps:
-            fail(f"{self.unscored} batches in a row were scored by no reward function (all None): "
-                 "check that the reward functions apply to this dataset (their columns, their "
-                 "answer format)")
-
-    def stepped(self, grad_norm):
-        finite = bool(torch.isfinite(grad_norm))
-        self.updated += finite
-        self.nonfinite = 0 if finite else self.nonfinite + 1
-        if self.nonfinite >= self.cfg.max_nonfinite_steps:
-            fail(f"{self.nonfinite} optimizer steps in a row had a NaN/inf gradient (all skipped); "
-                 f"stopping. The last checkpoint in {self.cfg.output_dir!r} is intact. Check "
-                 "rewards and learning rate.")
-
-    def check_trained(self, steps):
-        if steps and not self.updated:
-            fail(f"none of the {steps} optimizer steps updated the weights (every gradient was "
-                 "NaN/inf, so each was skipped): nothing is saved as a trained model. Check the "
-                 "rewards' scale, --beta and --learning_rate")
-
-
 def announce(cfg, model, device, total_steps):
     if distributed.is_main():
         world = distributed.world_size()
@@ -432,8 +394,32 @@ def setup(argv):
     return cfg, device
 
 
+@dataclasses.dataclass
+class Result:
+    """What main returns, on every rank."""
+    output_dir: str
+    step: int  # the last optimizer step
+    metrics: dict  # the last logged step's, as metrics.jsonl has it
+    stopped: bool  # by SIGTERM or Ctrl-C: resume from the checkpoint it saved
+    paths: dict  # what each version- or device-dependent choice took (stack.PATHS)
+
+
 def main(argv=None):
-    cfg, device = setup(argv)
+    """One run, from the command line or from Python: train.main(["--learning_rate", "3e-4"]), as
+    often as wanted in one process, each run as from a fresh one, the process left as found
+    (process.borrowed; README 'Sweeps'). -> Result. Bad input, or a run that cannot go on, raises
+    config.Failed: its one line (error: ...) is what the command line prints."""
+    with process.borrowed() as opened:
+        cfg, device = setup(argv)
+        try:
+            return run(cfg, device, opened)
+        except Exception as error:  # a lost peer's failed collective: one line naming the peer
+            checkpoint.stop_if_a_peer_is_lost(cfg.output_dir, error)
+            raise
+
+
+def run(cfg, device, opened):
+    """Setup, the loop, the end. opened: what closes however the run ends (process.borrowed)."""
     dataset, eval_sets, vision = data.load_datasets(cfg)  # data first: cheaper to find it wrong
     model, ref_model, tokenizer, processor, dataset = load_models(
         cfg, dataset, eval_sets, vision, device)
@@ -445,8 +431,9 @@ def main(argv=None):
     # a TrainerState: step 0, or the checkpoint resumed from
     state = checkpoint.resume_or_start(cfg, model, optimizer, scheduler, ref_model)
     stop_signal, health = checkpoint.watch_signals(device, cfg.output_dir), RunHealth(cfg)
-    logger = Logger(cfg, total_steps, state, rewards.steps_per_epoch)
-    source = BatchSource(cfg, generator, dataset, rewards, tokenizer.pad_token_id, vars(state))
+    logger = opened.enter_context(closing(Logger(cfg, total_steps, state, rewards.steps_per_epoch)))
+    source = opened.enter_context(closing(BatchSource(cfg, generator, dataset, rewards,
+                                                      tokenizer.pad_token_id, vars(state))))
     step, num_tokens, saved_step, stopped = state.step, state.num_tokens, state.step, False
 
     while step < total_steps and not stopped:
@@ -488,7 +475,7 @@ def main(argv=None):
         show_samples("after training", batch, scores, cfg.num_generations)
     finish(cfg, model, processor or tokenizer, stopped, step, logger)
     source.close()  # the generation thread, then the generator (a colocated engine takes the group)
-    distributed.shutdown()
+    return Result(cfg.output_dir, step, logger.last, stopped, dict(stack.PATHS))
 
 
 if __name__ == "__main__":

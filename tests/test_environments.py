@@ -8,6 +8,8 @@ import os
 import pathlib
 import signal
 
+import sys
+
 import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
@@ -128,6 +130,25 @@ def test_trls_increment_env_owns_its_data_and_reward_and_a_group_shares_its_task
     assert funcs.names == ["IncrementEnv"] and funcs.weights.tolist() == [1.0]
     scores = funcs(batch, 4, step=0)
     assert scores[:, 0].tolist() == [float(t == 3) for t in targets]
+
+
+def test_a_file_named_by_environment_and_reward_funcs_is_one_module(tmp_path, tool_model_dir):
+    """--environment env.py:IncrementEnv --reward_funcs env.py:solved: one execution of env.py, so the reward's
+    isinstance(e, IncrementEnv) holds for the environments the run made (two modules made it False: reward 0), and
+    the file's top-level state exists once."""
+    source = INCREMENT_ENV.replace("import random\n", "import random\n\nLOADS = []\nLOADS.append(1)\n").replace(
+        "random.randint(1, 6)", "3") + \
+        "\n\ndef solved(environments, **kwargs):\n" \
+        "    return [float(isinstance(e, IncrementEnv) and e.counter == e.target) for e in environments]\n"
+    loop, cfg, tokenizer = increment_loop(tmp_path, tool_model_dir, source, [CALL_START + "3" + CALL_END, "Done."],
+                                          reward_funcs=[f"{tmp_path / 'incr.py'}:solved"])
+    batch = loop.generate({"prompt": [[{"role": "user", "content": ""}]] * 6}, seed=0)
+    funcs = rewards.load_rewards(cfg, CPU, environments.environment_rewards(cfg, None))
+    assert funcs.names == ["solved", "IncrementEnv"]
+    scores = funcs(batch, 4, step=0)
+    assert scores.tolist() == [[1.0, 1.0]] * 24
+    (module,) = [m for m in sys.modules.values() if getattr(m, "__file__", None) == str(tmp_path / "incr.py")]
+    assert module.LOADS == [1] and type(batch.environments[0]) is module.IncrementEnv
 
 
 UNCOPYABLE = INCREMENT_ENV.replace("        self.counter = 0\n        self.target = random", """        import threading
