@@ -42,6 +42,7 @@ pyarrow>=24; should the image's be older: --wheels .whl pyarrow==26.0.1, a 55 MB
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -57,6 +58,7 @@ import torch
 import bench_shapes
 import metrics
 import rewards
+import stack
 import train
 import vllm_server
 from config import EMBEDDED_PRESET
@@ -146,12 +148,13 @@ def run_rloo(model_dir, data, reward, c, steps, extra):
              "--max_steps": steps, "--logging_steps": 1, "--output_dir": out,
              # no checkpoint (the final model still is): 6 GB of weights and optimizer for 0.5B
              "--save_strategy": "no"}
-    train.main([str(x) for flag in flags.items() for x in flag] + extra)
+    result = train.main([str(x) for flag in flags.items() for x in flag] + extra)
     if int(os.environ.get("RANK", 0)) != 0:
         return None
     with open(os.path.join(out, "metrics.jsonl")) as f:
         steps = [json.loads(line) for line in f][1:]  # the first step also holds start-up
     shutil.rmtree(out)  # the final model and checkpoint: 2.2 GB per run for SmolLM2-135M
+    steps[-1]["paths"] = result.paths  # what the gpu suite's claims check
     return steps
 
 
@@ -199,6 +202,8 @@ def time_trl_phases(trainer):
                 return fn(*a, **k)
             t = time.perf_counter()
             result = fn(*a, **k)
+            if torch.cuda.is_available():  # the phase's queued kernels count in it, as rloo's do
+                torch.cuda.synchronize()
             current[name] = current.get(name, 0.0) + time.perf_counter() - t
             return result
         return wrapper
@@ -332,6 +337,8 @@ def main():
         world_size = int(os.environ.get("WORLD_SIZE", 1))
         med = summarize(f"{args.trainer} --config {args.config} ({c}) {' '.join(extra)}", steps,
                         c["batch"] * world_size)
+        med.update(paths=steps[-1].get("paths", {}), finite=all(
+            math.isfinite(s.get(k, 0.0)) for s in steps for k in ("loss", "reward", "grad_norm")))
         if args.report:
             with open(args.report, "w") as f:
                 json.dump(med, f)
@@ -425,7 +432,8 @@ def gpu_suite(args, c, steps, extra):
     """The prepared one-GPU check: the packages first (seconds, not minutes, when one is missing),
     then the model, built once for every run, then `python train.py` (the embedded default must
     learn on the device) and each variant of the gpu config: each a process with a timeout,
-    reported as it ends. Prints one table at the end. -> whether every run succeeded."""
+    reported as it ends. Prints one table at the end. -> whether every run passed (it ran, and its
+    claims held)."""
     estimate = gpu_estimate(c, steps, args.tiny)
     print(f"estimate on one H200 at assumed rates (H200 in bench.py; not measured): "
           f"{estimate['generated_tokens_per_variant']:,} tokens generated per variant, "
@@ -434,8 +442,8 @@ def gpu_suite(args, c, steps, extra):
         open(args.report, "w").close()  # one line per run, appended as each ends
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     missing = unmet(GPU_IMPORTS)
-    report_line(args.report, "plan", device=device, config=c, steps=steps, estimate=estimate,
-                missing=missing)
+    report_line(args.report, "plan", device=device, versions=stack.versions(), config=c,
+                steps=steps, estimate=estimate, missing=missing, methods=METHODS)
     if missing:
         print("carry wheels for what is missing (bench.py's docstring)", flush=True)
         return False
@@ -450,36 +458,89 @@ def gpu_suite(args, c, steps, extra):
         # the embedded default on this device (tiny: 40 steps, too few to learn; it shows it runs)
         cmd = [sys.executable, train_py, "--output_dir", embedded, "--logging_steps", "1",
                *(["--max_steps", "40"] if args.tiny else [])]
-        results = {"embedded": gpu_run(args, "embedded", cmd, lambda: reward_curve(embedded),
-                                       estimate["embedded_s"], deadline)}
+        results = {}
+        results["embedded"] = gpu_run(args, "embedded", cmd, lambda: reward_curve(embedded),
+                                      estimate["embedded_s"], deadline, results)
         for name, flags in GPU_VARIANTS.items():
             report = os.path.join(work, f"{name}.json")
             cmd = [sys.executable, __file__, "--config", "gpu", "--variant", name, "--model_dir",
                    model, "--steps", str(steps), "--report", report, *tiny, *flags, *extra]
             results[name] = gpu_run(args, name, cmd, lambda: read_json(report),
-                                    estimate["variant_s"], deadline)
+                                    estimate["variant_s"], deadline, results)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print_table(results)
-    return all("error" not in row for row in results.values())
+    return all(row["passed"] for row in results.values())  # a run that fails a claim failed
 
 
-def gpu_run(args, name, cmd, read, estimate_s, deadline):
+# How each figure of the gpu suite is measured, stated in its report (the plan line)
+METHODS = {
+    "step_time": "median over the steps after 3 warm-up ones of the wall time between two "
+                 "optimizer-step ends (rloo: metrics.jsonl's step_time; TRL: a TrainerCallback)",
+    "time/<phase>": "median per phase; rloo: between two CUDA events on the stream, read once a "
+                    "step; TRL: the host's clock around its methods, each ending at "
+                    "torch.cuda.synchronize()",
+    "peak_mib": "the process's high-water mark after the run, each run in a process of its own, "
+                "nothing reset: torch.cuda.max_memory_allocated on a GPU, VmHWM on a CPU "
+                "(metrics.run_peak), for both trainers",
+    "tokens_per_second/generation": "completion tokens per step over the median time/generation",
+    "first_tenth_reward, last_tenth_reward": "mean reward over the first and the last tenth of the "
+                                             "steps",
+}
+
+
+def claims(name, row, results, tiny):
+    """What a run of the gpu suite claims, each with whether it held: [{claim, held, measured}]. A
+    claim on learning needs the full embedded run (not --tiny's 40 steps); the memory claims, a GPU
+    (a CPU's resident set is mostly the interpreter and the libraries)."""
+    gpu, paths, found = torch.cuda.is_available(), row.get("paths", {}), []
+
+    def claim(text, held, measured):
+        found.append({"claim": text, "held": bool(held), "measured": measured})
+
+    if name == "embedded" and not tiny:
+        first, last = row.get("first_tenth_reward", 0.0), row.get("last_tenth_reward", 0.0)
+        claim("learns: last tenth's reward >= 0.8 and >= 3x the first tenth's", last >= 0.8 and
+              last >= 3 * first, f"{first:.3f} -> {last:.3f}")
+    if name in GPU_VARIANTS:
+        claim("finite loss, reward and gradient norm at every step", row.get("finite"),
+              row.get("finite"))
+    if name in ("full", "lora", "packed"):
+        claim("bf16 compute", paths.get("precision") == "bf16", paths.get("precision"))
+        claim("the decode loop's KV cache grows in place", paths.get("KV cache") == "KVBuffer",
+              paths.get("KV cache"))
+    if name == "packed":
+        kernel = "FlashAttention varlen" if gpu else "causal SDPA per sequence"
+        claim(f"packed rows attend through {kernel}", paths.get("packed attention") == kernel,
+              paths.get("packed attention"))
+    full = results.get("full", {}).get("peak_mib")
+    if gpu and name in ("lora", "packed") and full:
+        share = {"lora": 0.75, "packed": 1.0}[name]  # LoRA: no base gradients nor Adam states
+        claim(f"peak memory under {share} x full fine-tuning's",
+              row.get("peak_mib", full) < share * full, f"{row.get('peak_mib')} vs {full} MiB")
+    return found
+
+
+def gpu_run(args, name, cmd, read, estimate_s, deadline, results):
     """One run of the suite: cmd in its own process, its timeout TIMEOUT_FACTOR x its estimate on a
-    GPU, within the deadline; read() -> its numbers. -> the line reported for it, with its wall
-    time and its estimate."""
+    GPU, within the deadline; read() -> its numbers. -> the line reported for it as it ends, with
+    its wall time, its estimate, its claims and whether it passed: it ran and every claim held."""
     left = deadline - time.monotonic()
     if left <= 0:
-        return report_line(args.report, name, error=f"not run: past --deadline {args.deadline} s")
+        return report_line(args.report, name, error=f"not run: past --deadline {args.deadline} s",
+                           passed=False)
     timeout = min(left, TIMEOUT_FACTOR * estimate_s) if torch.cuda.is_available() else left
     start = time.perf_counter()
     code, output = run_child(cmd, timeout)
-    times = dict(seconds=round(time.perf_counter() - start, 1), estimate_s=round(estimate_s))
+    row = dict(seconds=round(time.perf_counter() - start, 1), estimate_s=round(estimate_s))
     if code != 0:
         why = f"timed out after {timeout:.0f} s" if code is None else f"exit code {code}"
         return report_line(args.report, name, error=why, output=output.strip().splitlines()[-3:],
-                           **times)
-    return report_line(args.report, name, **read(), **times)
+                           passed=False, **row)
+    row.update(read())
+    row["claims"] = claims(name, row, results, args.tiny)
+    row["passed"] = all(c["held"] for c in row["claims"])
+    return report_line(args.report, name, **row)
 
 
 def run_child(cmd, timeout):
@@ -526,7 +587,7 @@ def reward_curve(out):
 
 
 def print_table(results):
-    keys = ["step_time", "time/generation", "time/reference", "time/forward_backward",
+    keys = ["passed", "step_time", "time/generation", "time/reference", "time/forward_backward",
             "time/optimizer", "tokens_per_second/generation", "peak_mib"]
     print("| variant | " + " | ".join(keys) + " |\n" + "|---" * (len(keys) + 1) + "|")
     for name in GPU_VARIANTS:

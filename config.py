@@ -159,6 +159,12 @@ SCHEDULERS = one_of("linear", "cosine", "cosine_with_restarts", "polynomial", "c
                     "cosine_warmup_with_min_lr", "warmup_stable_decay")
 EVAL_SOURCE = Domain("NAME=SOURCE or NAME=SOURCE@SPLIT",
                      lambda v: v.partition("=")[0].isidentifier() and bool(v.partition("=")[2]))
+# --advantage_estimator NAME: rloo.NAME_advantages(rewards [B], G) -> advantages [B], called by
+# rloo.estimate_advantages for training and evaluation alike. A new estimator is its function in
+# rloo.py and its name here (README 'How to change one thing'); the flag's help and check read this.
+ADVANTAGE_ESTIMATORS = {
+    "rloo": "leave-one-out, A_i = r_i - mean_{j != i} r_j (the paper's, section 3)",
+}
 # TRL's vllm_importance_sampling_mode values; the token ones are refused (check_importance_sampling)
 IS_MODES = ("sequence_truncate", "sequence_mask", "token_truncate", "token_mask")
 STEPS = Domain("-1 (run num_train_epochs) or >= 1",
@@ -247,8 +253,9 @@ class Config:
     streaming: bool = arg(False,
         "Stream the dataset instead of downloading it whole (needs max_steps).")
     reward_funcs: list[str] | None = arg(None,
-        "Reward functions: built-in names (task_reward, accuracy_reward, think_format_reward), "
-        "module:function or file.py:function.")
+        "Reward functions: built-in names (task_reward, accuracy_reward, last_number_reward, "
+        "think_format_reward, soft_overlong_punishment), module:function, file.py:function, or a "
+        "sequence-classification model's directory or Hub id.")
     reward_timeout: float | None = arg(None, greater_than(0),
         "Seconds one reward function may take on a batch; longer stops the run. Default: 600 s "
         "for async functions, no limit for sync ones (timing one runs it in a thread, which "
@@ -349,6 +356,9 @@ class Config:
         "Lower clip range of the ratio rho (and upper one unless epsilon_high is set).")
     epsilon_high: float | None = arg(None, at_least(0),
         "Upper clip range of rho (default: epsilon).")
+    advantage_estimator: str = arg("rloo", one_of(*ADVANTAGE_ESTIMATORS),
+        "How a completion's advantage comes from its group's rewards: " + "; ".join(
+            f"{name}: {what}" for name, what in ADVANTAGE_ESTIMATORS.items()) + ".")
     num_iterations: int = arg(1, at_least(1),
         "mu: optimizer passes over each generated batch (> 1 makes the clipped surrogate matter).")
     normalize_advantages: bool = arg(False,

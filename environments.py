@@ -1,9 +1,9 @@
 """Multi-turn rollouts: the model talks to an environment (a game, a tutor, a verifier that answers
 back, tools) between its turns, and the whole trajectory is one RLOO action.
 
-Interface (README 'Multi-turn: tools and environments'): --environment FILE.py:NAME names a factory,
-or a dict of named factories that routes each row by its `environment` column. Two shapes of
-environment meet in one interface, step(text) -> (reply, done):
+Interface (docs/multi-turn.md 'Multi-turn: tools and environments'): --environment FILE.py:NAME
+names a factory, or a dict of named factories that routes each row by its `environment` column.
+Two shapes of environment meet in one interface, step(text) -> (reply, done):
 - rloo's: the factory takes the row (a dict of its columns) and returns an object with
     step(text) -> (reply, done)    after each model turn: text is the turn, decoded;
     reset() -> prompt or None      optional, before the first turn: a prompt that replaces the row's
@@ -74,8 +74,9 @@ def lookup_environment(row):
 
 @dataclasses.dataclass
 class ScoredLookup(LookupEnvironment):
-    """The lookup task scoring itself (get_reward, README 'Multi-turn'): task_reward's
-    per-position credit for the model's answer, the turn after the string was shown."""
+    """The lookup task scoring itself (get_reward; docs/multi-turn.md 'Multi-turn: tools and
+    environments'): task_reward's per-position credit for the model's answer, the turn after the
+    string was shown."""
     answer: str = ""
 
     def step(self, text):

@@ -15,7 +15,7 @@ import models
 import prompting
 from config import generation_steps
 from metrics import generation_metrics, logged_metrics
-from rloo import combine_rewards, rloo_advantages, rloo_loss
+from rloo import combine_rewards, estimate_advantages, rloo_loss
 
 
 def eval_config(cfg):
@@ -26,7 +26,7 @@ def eval_config(cfg):
 
 @torch.no_grad()
 def evaluate(cfg, generator, eval_sets, rewards, model, step):
-    """Every eval set (README 'Datasets'): metrics prefixed eval_ when there is one,
+    """Every eval set (docs/models.md 'Datasets'): metrics prefixed eval_ when there is one,
     eval_<name>_ for each of several."""
     metrics = {}
     for name, dataset in eval_sets.items():
@@ -55,7 +55,8 @@ def evaluate_set(cfg, generator, dataset, rewards, model, step):
             logged.setdefault(k, []).extend(values)
         valid = torch.tensor(prompting.repeat_each([i < n for i in index], G)).float()
         shaped = combine_rewards(rewards_per_func, weights.to(valid.device), cfg.reward_clip_range)
-        advantages = rloo_advantages(shaped, G) * valid.to(shaped.device)
+        advantages = estimate_advantages(shaped, G, cfg.advantage_estimator)  # [B]
+        advantages = advantages * valid.to(shaped.device)
         unmoved = torch.zeros_like(advantages)  # s = s_old
         loss = rloo_loss(unmoved, unmoved, advantages, cfg.epsilon, cfg.epsilon, 1)[0]
         aux = torch.tensor(0.0)

@@ -1,6 +1,6 @@
-"""What a run reports: the generation metrics of a gathered batch (TRL's names, README 'Metrics'), a
-timer for the time/* phases, and the Logger that averages a window of steps and writes
-metrics.jsonl, the progress bar and wandb.
+"""What a run reports: the generation metrics of a gathered batch (TRL's names; docs/reference.md
+'Metrics'), the names the trainer owns, a timer for the time/* and memory/* phases, and the Logger
+that averages a window of steps and writes metrics.jsonl, the progress bar and wandb.
 
 The collectives that bring every rank's numbers together are in distributed.py; this file only does
 arithmetic and writing. Non-zero ranks get a Logger whose calls do nothing, so the loop has no `if
@@ -19,8 +19,29 @@ import torch
 from tqdm import tqdm
 
 import distributed
+from config import generation_steps
 from prompting import repeat_each, row_images
 from rloo import combine_rewards
+
+
+# The names the trainer owns (docs/reference.md 'Metrics' lists them; what a reward function logs
+# is checked against them, rewards.RewardFunctions): the completions table's own columns, a reward
+# function or a log_extra column of one of these names would be a second column of that name...
+TABLE_COLUMNS = ("step", "prompt", "completion", "advantage", "image")
+# ... and the metrics it logs, whole names and groups (group/...): a log_metric of one of them, or
+# of evaluation's eval_..., would overwrite it or pose as it. A new metric adds its name here.
+TRAINER_METRICS = ("step", "epoch", "reward", "reward_std", "frac_reward_zero_std", "kl",
+                   "entropy", "loss", "grad_norm", "learning_rate", "num_tokens", "step_time",
+                   "aux_loss", "nonfinite_skipped")
+TRAINER_GROUPS = ("rewards", "completions", "clip_ratio", "sampling", "dynamic_sampling", "time",
+                  "memory", "tokens_per_second", "turns", "tools", "environment")
+
+
+def trainer_metric(name):
+    """Whether a metric name is the trainer's: one it logs, one of its groups, or evaluation's."""
+    group, slash, _ = name.partition("/")
+    in_group = bool(slash) and group in TRAINER_GROUPS
+    return name in TRAINER_METRICS or in_group or name.startswith("eval_")
 
 
 @contextmanager
@@ -209,8 +230,8 @@ def turn_metrics(columns):
 
 
 def batch_metrics(cfg, batch, scores, rewards, timings):
-    """A generated batch's metrics over all ranks (README 'Metrics'), and its prompt + completion
-    tokens. batch: a Rollout; scores: train.Scores; rewards: rewards.RewardFunctions."""
+    """A generated batch's metrics over all ranks (docs/reference.md 'Metrics'), and its prompt +
+    completion tokens. batch: a Rollout; scores: train.Scores; rewards: rewards.RewardFunctions."""
     lengths = batch.model_tokens().sum(-1).float()  # multi-turn: the model's tokens only
     columns = distributed.gather({  # [world * B] each
         "rewards_per_func": scores.rewards_per_func.T, "rewards": scores.rewards,
@@ -431,6 +452,20 @@ class Logger:
                 self.wandb.finish()
             if self.tensorboard:
                 self.tensorboard.close()
+
+
+def announce(cfg, model, device, total_steps, steps_per_batch):
+    """The start-up line: processes, device (and CPU threads), parameters, the batch geometry, the
+    run's optimizer steps and where it writes."""
+    if distributed.is_main():
+        world = distributed.world_size()
+        per_batch = cfg.per_device_train_batch_size * generation_steps(cfg, world) * world
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        threads = f" ({distributed.CPU_THREADS[0]})" if distributed.CPU_THREADS else ""
+        print(f"rloo: {world} process(es) on {device}{threads}, "
+              f"{sum(p.numel() for p in model.parameters()):,} params per rank ({trainable:,} "
+              f"trainable), {per_batch} completions per generated batch, {steps_per_batch} "
+              f"optimizer step(s) on each, {total_steps} steps -> {cfg.output_dir}")
 
 
 def show_samples(title, batch, scores, G, n=3):

@@ -152,8 +152,8 @@ def load_reward_model(path):
 # The tokenizer: tokenizer.json (fast), or a vocabulary its tokenizer_config.json's class reads.
 def disable_dropout(model):
     """Dropout off everywhere: it would make the sampler and the trainer different policies. Modules
-    copy their rates at construction (attention's `self.attention_dropout =
-    config.attention_dropout`), so setting the config afterwards changes nothing: zero the modules'
+    copy their rates at construction (an attention layer keeps its config's attention_dropout as
+    its own), so setting the config afterwards changes nothing: zero the modules'
     own rates, and the configs for code that reads them at forward."""
     for name, module in model.named_modules():
         if "lora_dropout" in name:  # the adapter's own dropout is --lora_dropout's to set
@@ -202,7 +202,8 @@ def prepare_model(model, cfg, trainable, device=torch.device("cpu")):
     # rank 0's weights (the others' are meta tensors: load_pretrained), in the dtype kept
     full_state = model.state_dict() if distributed.rank() == 0 else {}
     # Shard each decoder layer, then the root (embeddings, head, tied weights). Params and compute
-    # in bf16, gradient reduction in fp32 (README 'Checkpoints, resume, multi-node': memory).
+    # in bf16, gradient reduction in fp32 (memory: docs/checkpoints.md 'Checkpoints, resume,
+    # multi-node').
     options = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cfg.bf16 else None,
                                                   reduce_dtype=torch.float32))
     # params, grads and optimizer state live in CPU memory; the optimizer steps on the CPU

@@ -1,7 +1,7 @@
-"""Calling reward functions, user code: the calling convention (README 'Writing a reward function'),
-each function on its own copy of the arguments, async ones concurrently, timeouts and a signal that
-stops a call that never returns, and the one line that names a function that failed or returned
-something unusable. rewards.py loads the functions and weighs what comes back.
+"""Calling reward functions, user code: the calling convention (docs/rewards.md 'Writing a reward
+function'), each function on its own copy of the arguments, async ones concurrently, timeouts and a
+signal that stops a call that never returns, and the one line that names a function that failed or
+returned something unusable. rewards.py loads the functions and weighs what comes back.
 """
 
 import asyncio

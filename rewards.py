@@ -1,7 +1,7 @@
 """Reward functions: loading by name, the built-in rewards, the weights, and what they log.
 
-Interface (same as TRL's GRPOTrainer/RLOOTrainer; README 'Writing a reward function'): a reward
-function is called as
+Interface (same as TRL's GRPOTrainer/RLOOTrainer; docs/rewards.md 'Writing a reward function'): a
+reward function is called as
     f(prompts=[...], completions=[...], completion_ids=[...], **dataset_columns, step=...,
       trainer_state=..., log_extra=..., log_metric=...)
 with one entry per completion (each prompt repeated G times) and returns a list of float | None of
@@ -27,6 +27,7 @@ from transformers import TrainerState
 import distributed
 import user_code
 from config import fail
+from metrics import TABLE_COLUMNS, trainer_metric
 from models import load_reward_model, prepare_model
 from reward_calls import RewardError, compute_rewards, reward_name, user_error
 from prompting import is_conversational, repeat_each
@@ -122,6 +123,9 @@ def soft_overlong_punishment(max_completion_len, soft_punish_cache):
 
 BUILTINS = {f.__name__: f for f in (task_reward, accuracy_reward, last_number_reward,
                                     think_format_reward)}
+# every name --reward_funcs takes as a built-in (--help and docs/rewards.md list them; a test
+# checks)
+BUILTIN_NAMES = (*BUILTINS, "soft_overlong_punishment")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,8 +159,8 @@ def load_reward_func(spec, prepare_model=None, device="cpu", max_completion_leng
         return getattr(module, name)
     if looks_like_model(spec):
         return reward_model(spec, prepare_model or (lambda m: m.to(device)), device)
-    raise ValueError(f"unknown reward function {spec!r}: use a built-in ({', '.join(BUILTINS)}, "
-                     "soft_overlong_punishment), 'module:function', 'file.py:function', or the "
+    raise ValueError(f"unknown reward function {spec!r}: use a built-in "
+                     f"({', '.join(BUILTIN_NAMES)}), 'module:function', 'file.py:function', or the "
                      "path of a sequence-classification model")
 
 
@@ -211,25 +215,6 @@ def reward_model(path, prepare_model, device):
     return score
 
 
-# The completions table's own columns (metrics.completions_table): a reward function or a
-# log_extra column of one of these names would be a second column of that name
-TABLE_COLUMNS = ("step", "prompt", "completion", "advantage", "image")
-# The trainer's own metric names and groups (metrics.py, train.py, batches.py): a log_metric of
-# one of them, or of evaluation's eval_..., would overwrite it or pose as it
-TRAINER_METRICS = ("step", "epoch", "reward", "reward_std", "frac_reward_zero_std", "kl",
-                   "entropy", "loss", "grad_norm", "learning_rate", "num_tokens", "step_time",
-                   "aux_loss", "nonfinite_skipped")
-TRAINER_GROUPS = ("rewards", "completions", "clip_ratio", "sampling", "dynamic_sampling", "time",
-                  "tokens_per_second", "turns", "tools", "environment")
-
-
-def trainer_metric(name):
-    """Whether a metric name is the trainer's: one it logs, one of its groups, or evaluation's."""
-    group, slash, _ = name.partition("/")
-    in_group = bool(slash) and group in TRAINER_GROUPS
-    return name in TRAINER_METRICS or in_group or name.startswith("eval_")
-
-
 def unique_names(funcs, specs=None):
     """The functions' metric names (reward_name), each made distinct from those before it and from
     the table's columns by a suffix, with a warning: a second `score` logs as rewards/score_1/mean
@@ -280,7 +265,7 @@ class RewardFunctions:
     def __call__(self, rollout, G, step):
         """The functions on a Rollout's B = P*G completions: each prompt and dataset column repeated
         G times; conversational prompts get [{"role": "assistant", "content": text}] completions.
-        What they log goes to rollout.logged_columns and rollout.logged_metrics. -> [B, K], NaN
+        What they log goes to the Rollout's logged_columns and logged_metrics. -> [B, K], NaN
         where a function returned None. A failure stops the run with one line."""
         prompts = repeat_each(rollout.rows["prompt"], G)
         completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
@@ -304,8 +289,8 @@ class RewardFunctions:
 
 class RewardLog:
     """What reward functions log on one batch, TRL's log_extra(column, values) (columns of the
-    completions table) and log_metric(name, value) (into rollout.logged_metrics), checked as user
-    code calls them: a table column's name or a trainer metric's, a count other than B, a value
+    completions table) and log_metric(name, value) (into the Rollout's logged_metrics), checked as
+    user code calls them: a table column's name or a trainer metric's, a count other than B, a value
     that is not a number is a ValueError, which the calling function's one line names."""
 
     def __init__(self, rollout, B, reward_names):

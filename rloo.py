@@ -77,6 +77,12 @@ def rloo_advantages(rewards, num_generations):
     return torch.where(with_baseline, r - baseline, 0.0).view(-1)
 
 
+def estimate_advantages(rewards, num_generations, estimator="rloo"):
+    """The advantages of the estimator --advantage_estimator names (config.ADVANTAGE_ESTIMATORS):
+    the function NAME_advantages of this file, rewards [B] (groups of G adjacent) -> [B]."""
+    return globals()[f"{estimator}_advantages"](rewards, num_generations)
+
+
 def has_baseline(rewards, num_generations):
     """Completions that get a leave-one-out advantage: scorable, in a group with at least 2
     scorable members.  [B]"""

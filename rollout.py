@@ -2,8 +2,9 @@
 FSDP2-sharded; HF `generate` for vision-language models). Besides the tokens it records the
 sampler's log-probs of the temperature-scaled distribution, log softmax(logits / T)[o_t]; in fp32
 they are the KL's "old" log-probs (paper §3: r = R - beta * KL), so no scoring pass is needed
-(README 'Where we differ from TRL, on purpose'). The training forward whose log-probs must agree
-with these is logps.py; the sampling distribution sampler.py; vLLM generation vllm_rollout.py.
+(docs/coming-from-trl.md 'Where we differ from TRL, on purpose'). The training forward whose
+log-probs must agree with these is forward.py; the sampling distribution sampler.py; vLLM
+generation vllm_rollout.py.
 """
 import weakref
 from contextlib import contextmanager

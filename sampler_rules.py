@@ -1,4 +1,5 @@
-"""Which log-probs the sampler reports: the one rule both generators and the trainer follow.
+"""Which log-probs the sampler reports: the one rule both generators and the trainer follow, and
+what the trainer makes of the difference (the KL's old log-probs, the importance weights).
 
 The trainer scores log pi_T = log_softmax(z / T) (or, with --replay_sampling_mask, the truncated
 distribution top-k/top-p/min-p sampled from); a generator's own log-probs stand in for a forward
@@ -7,6 +8,7 @@ in, which decides whether two kernels give the same log-probs.
 """
 
 from config import GENERATION_KWARGS
+from rloo import importance_weights, off_policy_mask
 
 
 def vllm_logprobs_mode(cfg, vision=False):
@@ -69,3 +71,30 @@ def low_precision(cfg):
     """bf16 compute or weights kept below fp32: kernels of another batch shape give other
     log-probs."""
     return cfg.bf16 or cfg.load_in_4bit or weights_dtype(cfg) != "float32"
+
+
+def old_logps_from_sampler(cfg, vision=False):
+    """Whether the KL's log pi_old can be the sampler's own log-probs: where they are exactly the
+    trainer's (sampler_rules.sampler_logps_exact) and in fp32. In bf16 the sampler's and the
+    trainer's kernels differ (0.03-0.05 nats per token on SmolLM2-135M), and an async batch's are
+    of older weights: a no-grad forward of the policy computes them (TRL's scoring pass)."""
+    return sampler_logps_exact(cfg, vision) and not low_precision(cfg) and not cfg.async_generation
+
+
+def sampler_weights(cfg, seq_old, sampled, logps, mask, advantages, sampling):
+    """The loss weights [b] of completions the generator drew, None where no flag asks for any:
+    TRL's sequence-level importance weight (docs/vllm.md 'vLLM generation'), times DeepSeek-V3.2's
+    off-policy mask. The sequences each truncates, masks or drops go into sampling (metrics)."""
+    weights = None
+    if cfg.vllm_importance_sampling_correction:  # the generator's log-probs are not the trainer's
+        mode = cfg.vllm_importance_sampling_mode
+        weights, outside = importance_weights(  # [b] from pi_old / pi_sampler
+            seq_old, (sampled * mask).sum(-1), mode, cfg.vllm_importance_sampling_clip_min,
+            cfg.vllm_importance_sampling_clip_max)
+        sampling["is_weight"].append(weights)
+        sampling["is_truncated" if mode == "sequence_truncate" else "is_masked"].append(outside)
+    if cfg.off_policy_mask_threshold is not None:  # eq. 9: A < 0 and far from the sampler
+        keep = off_policy_mask(advantages, sampled, logps, mask, cfg.off_policy_mask_threshold)
+        weights = keep.float() if weights is None else weights * keep
+        sampling["off_policy_masked"].append(~keep)
+    return weights

@@ -15,10 +15,11 @@ advantages A_i = r_i - mean_{j != i} r_j -> mu optimizer steps on L = -mean_i mi
 clip(rho_i) A_i), rho_i = exp(s_i - s_i_old).
 
 The math is rloo.py; this file says when it runs and on what. Everything else lives where its
-concept does: config.py (flags), data.py (prompts), models.py (loading, FSDP2), lora.py,
-rollout.py (our sampler, the Rollout batch, the training forward) and vllm_rollout.py, rewards.py,
-batches.py (where a step's batch comes from), metrics.py, checkpoint.py, directories.py,
-distributed.py.
+concept does (README 'Files'): config.py (flags), data.py (prompts), models.py (loading, FSDP2),
+lora.py, rollout.py (our decode loop) and vllm_rollout.py, batches.py (the Rollout batch and where
+a step's batch comes from), forward.py (the training forward), rewards.py, metrics.py,
+checkpoint.py, process.py (what a run borrows from its process), stack.py (the versions and device).
+From Python: train.main([...flags]) -> Result (README 'Sweeps').
 """
 
 import dataclasses
@@ -49,20 +50,20 @@ import process  # noqa: E402
 import prompting  # noqa: E402
 import rollout  # noqa: E402
 import sampler  # noqa: E402
+import sampler_rules  # noqa: E402
 import stack  # noqa: E402
 import vllm_rollout  # noqa: E402
 from batches import BatchSource  # noqa: E402
 from checks import check_config  # noqa: E402
 from config import EMBEDDED_PRESET, Config, Failed, fail, parse_config  # noqa: E402, F401
 from config import generation_steps  # noqa: E402
-from sampler_rules import low_precision, sampler_logps_exact  # noqa: E402
 from evaluation import eval_config, evaluate  # noqa: E402
 from health import RunHealth  # noqa: E402
-from metrics import (Logger, batch_metrics, completions_table, sampling_sums,  # noqa: E402
-                     show_samples, step_metrics, timed)
+from metrics import (Logger, announce, batch_metrics, completions_table,  # noqa: E402
+                     sampling_sums, show_samples, step_metrics, timed)
 from rewards import load_rewards  # noqa: E402
-from rloo import (combine_rewards, has_baseline, importance_weights,  # noqa: E402
-                  normalize_advantages, off_policy_mask, rloo_advantages, rloo_loss, sequence_kl)
+from rloo import (combine_rewards, estimate_advantages, has_baseline,  # noqa: E402
+                  normalize_advantages, rloo_loss, sequence_kl)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,7 +170,7 @@ def make_optimization(cfg, model, dataset, device):
     scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, num_training_steps=total_steps,
                               num_warmup_steps=warmup_steps(cfg, total_steps),
                               scheduler_specific_kwargs=cfg.lr_scheduler_kwargs)
-    announce(cfg, model, device, total_steps)
+    announce(cfg, model, device, total_steps, steps_per_batch(cfg))
     return optimizer, scheduler, total_steps
 
 
@@ -190,14 +191,6 @@ class Scores:
     timings: dict = dataclasses.field(default_factory=dict)
 
 
-def old_logps_from_sampler(cfg, vision=False):
-    """Whether the KL's log pi_old can be the sampler's own log-probs: where they are exactly the
-    trainer's (sampler_rules.sampler_logps_exact) and in fp32. In bf16 the sampler's and the
-    trainer's kernels differ (0.03-0.05 nats per token on SmolLM2-135M), and an async batch's are
-    of older weights: a no-grad forward of the policy computes them (TRL's scoring pass)."""
-    return sampler_logps_exact(cfg, vision) and not low_precision(cfg) and not cfg.async_generation
-
-
 def score(cfg, batch, rewards, model, ref_model, step):
     """Rewards, KL-shaped rewards and leave-one-out advantages of one Rollout -> Scores."""
     G, timings = cfg.num_generations, {}
@@ -213,14 +206,15 @@ def score(cfg, batch, rewards, model, ref_model, step):
     scores = Scores(rewards_per_func, shaped, loss_mask, None, timings=timings)
     with timed(timings, "time/reference"):
         if cfg.beta > 0:  # r = R - beta * kl, log pi_old the sampler's where exact (§3)
-            exact = old_logps_from_sampler(cfg, batch.pixel_inputs is not None)
+            exact = sampler_rules.old_logps_from_sampler(cfg, batch.pixel_inputs is not None)
             old = batch.sampler_logps if exact else forward.batch_logps(model, batch, cfg)
             with lora.reference(model, ref_model) as reference:
                 scores.ref_logps = forward.batch_logps(reference, batch, cfg)  # [B, T]
             scores.old_logps = old
             scores.kl_sums = sequence_kl(old, scores.ref_logps, loss_mask, cfg.kl_estimator)
             scores.rewards = shaped - cfg.beta * scores.kl_sums
-        advantages = rloo_advantages(scores.rewards, G)  # [B]  A_i = r_i - mean_{j != i} r_j
+        # [B], e.g. leave-one-out A_i = r_i - mean_{j != i} r_j (rloo_advantages)
+        advantages = estimate_advantages(scores.rewards, G, cfg.advantage_estimator)
         if cfg.normalize_advantages:  # over the global batch: every rank normalises the same vector
             with_baseline = has_baseline(scores.rewards, G).float()
             gathered = distributed.gather({"advantages": advantages, "baseline": with_baseline})
@@ -235,7 +229,8 @@ def policy_step(cfg, model, optimizer, scheduler, batch, scores, old_logps=None,
     slice; the whole batch unless steps_per_generation makes mini-batches), in micro-batches of
     per_device_train_batch_size (gradient accumulation: the loss is the mean over all of the step's
     sequences, on every rank; paper §3). old_logps None: on-policy, s_old = s.detach() so rho == 1
-    (README 'Where we differ from TRL'). A MoE model adds coef * its router's load-balancing loss.
+    (docs/coming-from-trl.md 'Where we differ from TRL, on purpose'). A MoE model adds coef * its
+    router's load-balancing loss.
     -> (sequence log-probs s of these rows; this rank's sums for the metrics; the global gradient
     norm, non-finite: the step was skipped; the phase timings)"""
     advantages, sampling = scores.advantages, defaultdict(list)  # sampler mismatch, per micro-batch
@@ -259,7 +254,7 @@ def policy_step(cfg, model, optimizer, scheduler, batch, scores, old_logps=None,
             # the generator's log-probs (the trainer's own where it reports none)
             reported = batch.sampler_logps is not None
             sampled = batch.sampler_logps[mb, :T] if reported else logps.detach()
-            is_weights = sampler_weights(cfg, seq_old, sampled, logps.detach(), mask,
+            is_weights = sampler_rules.sampler_weights(cfg, seq_old, sampled, logps.detach(), mask,
                                          advantages[mb], sampling)  # [b] or None
             loss, low, high = rloo_loss(seq_logps, seq_old, advantages[mb], cfg.epsilon, eps_high,
                                         n, is_weights)
@@ -286,25 +281,6 @@ def policy_step(cfg, model, optimizer, scheduler, batch, scores, old_logps=None,
     sums.update(sampling_sums(sampling))
     sums = {k: torch.as_tensor(v, device=advantages.device).float() for k, v in sums.items()}
     return seq_logps_all[rows], sums, grad_norm, timings
-
-
-def sampler_weights(cfg, seq_old, sampled, logps, mask, advantages, sampling):
-    """The loss weights [b] of completions the generator drew, None where no flag asks for any:
-    TRL's sequence-level importance weight (README 'vLLM generation'), times DeepSeek-V3.2's
-    off-policy mask. The sequences each truncates, masks or drops go into sampling (metrics)."""
-    weights = None
-    if cfg.vllm_importance_sampling_correction:  # the generator's log-probs are not the trainer's
-        mode = cfg.vllm_importance_sampling_mode
-        weights, outside = importance_weights(  # [b] from pi_old / pi_sampler
-            seq_old, (sampled * mask).sum(-1), mode, cfg.vllm_importance_sampling_clip_min,
-            cfg.vllm_importance_sampling_clip_max)
-        sampling["is_weight"].append(weights)
-        sampling["is_truncated" if mode == "sequence_truncate" else "is_masked"].append(outside)
-    if cfg.off_policy_mask_threshold is not None:  # eq. 9: A < 0 and far from the sampler
-        keep = off_policy_mask(advantages, sampled, logps, mask, cfg.off_policy_mask_threshold)
-        weights = keep.float() if weights is None else weights * keep
-        sampling["off_policy_masked"].append(~keep)
-    return weights
 
 
 def optimizer_step(cfg, model, optimizer, scheduler):
@@ -345,37 +321,26 @@ def update(cfg, model, optimizer, scheduler, batch, scores):
             yield distributed.reduce_sums(sums), grad_norm, {**step_timings, **timings}
 
 
-def announce(cfg, model, device, total_steps):
-    if distributed.is_main():
-        world = distributed.world_size()
-        per_batch = cfg.per_device_train_batch_size * generation_steps(cfg, world) * world
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        threads = f" ({distributed.CPU_THREADS[0]})" if distributed.CPU_THREADS else ""
-        print(f"rloo: {world} process(es) on {device}{threads}, "
-              f"{sum(p.numel() for p in model.parameters()):,} params per rank ({trainable:,} "
-              f"trainable), {per_batch} completions per generated batch, {steps_per_batch(cfg)} "
-              f"optimizer step(s) on each, {total_steps} steps -> {cfg.output_dir}")
-
-
-def finish(cfg, model, saver, stopped, step, logger):
+def finish(r, stopped, step):
     """After the loop: the logs closed, then how to resume a stopped run, or the final model in
-    Hugging Face format."""
-    logger.close()
-    if stopped:
-        if distributed.is_main():
-            print(f"rloo: stopped by a signal: saved checkpoint-{step} in {cfg.output_dir}; resume "
-                  "with --resume_from_checkpoint latest" if cfg.save_strategy == "steps" else
-                  f"rloo: stopped by a signal at step {step}; --save_strategy no: nothing saved")
-        return
-    if cfg.load_in_4bit:  # merged into the full-precision base, from the final checkpoint
+    Hugging Face format; the generation thread and the generator closed. -> Result"""
+    cfg = r.cfg
+    r.logger.close()
+    if stopped and distributed.is_main():
+        print(f"rloo: stopped by a signal: saved checkpoint-{step} in {cfg.output_dir}; resume "
+              "with --resume_from_checkpoint latest" if cfg.save_strategy == "steps" else
+              f"rloo: stopped by a signal at step {step}; --save_strategy no: nothing saved")
+    elif cfg.load_in_4bit:  # merged into the full-precision base, from the final checkpoint
         if distributed.is_main():
             last = checkpoint.checkpoint_dirs(cfg.output_dir)[-1]
             checkpoint.export_checkpoint(last, cfg.output_dir)
-    else:
-        checkpoint.save_hf(model, saver, cfg.output_dir)
-    if distributed.is_main():
+    elif not stopped:
+        checkpoint.save_hf(r.model, r.saver, cfg.output_dir)
+    if not stopped and distributed.is_main():
         print(f"rloo: metrics in {os.path.join(cfg.output_dir, 'metrics.jsonl')}, final model in "
               f"{cfg.output_dir}")
+    r.source.close()  # the generation thread, then the generator (a colocated engine: the group)
+    return Result(cfg.output_dir, step, r.logger.last, stopped, dict(stack.PATHS))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,6 +357,47 @@ def setup(argv):
     check_config(cfg, distributed.world_size())
     directories.check_output_dir(cfg)
     return cfg, device
+
+
+@dataclasses.dataclass
+class Run:
+    """What start makes for the loop, in the order it is made."""
+    cfg: Config
+    model: torch.nn.Module  # the policy (FSDP2-sharded under torchrun and --bf16; LoRA: adapted)
+    ref_model: torch.nn.Module | None  # the frozen reference, when beta > 0 (not with LoRA)
+    saver: object  # the tokenizer, or a vision-language model's processor: saved with the model
+    vision: bool  # the dataset has images
+    rewards: object  # rewards.RewardFunctions
+    eval_sets: dict  # name -> dataset
+    eval_generator: object  # our decode loop, num_generations_eval samples per prompt
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    total_steps: int
+    state: checkpoint.TrainerState  # where the run starts: step 0, or the checkpoint resumed from
+    stop_signal: torch.Tensor  # set by SIGTERM or Ctrl-C
+    health: RunHealth
+    logger: Logger
+    source: BatchSource  # each step's batch
+
+
+def start(cfg, device, opened):
+    """Data, models, rewards, generators, optimizer, the state resumed from, logs and the batch
+    source -> Run. opened: what closes however the run ends (process.borrowed)."""
+    dataset, eval_sets, vision = data.load_datasets(cfg)  # data first: cheaper to find it wrong
+    model, ref_model, tokenizer, processor, dataset = load_models(
+        cfg, dataset, eval_sets, vision, device)
+    rewards = load_rewards(cfg, device, environments.environment_rewards(cfg, dataset))
+    generator = start_generator(cfg, model, tokenizer, processor, dataset, device)
+    eval_generator = start_eval_generator(cfg, model, tokenizer, processor, device)
+    optimizer, scheduler, total_steps = make_optimization(cfg, model, dataset, device)
+    rewards.max_steps, rewards.steps_per_epoch = total_steps, steps_per_epoch(cfg, dataset)
+    state = checkpoint.resume_or_start(cfg, model, optimizer, scheduler, ref_model)
+    logger = opened.enter_context(closing(Logger(cfg, total_steps, state, rewards.steps_per_epoch)))
+    source = opened.enter_context(closing(BatchSource(cfg, generator, dataset, rewards,
+                                                      tokenizer.pad_token_id, vars(state))))
+    return Run(cfg, model, ref_model, processor or tokenizer, vision, rewards, eval_sets,
+               eval_generator, optimizer, scheduler, total_steps, state,
+               checkpoint.watch_signals(device, cfg.output_dir), RunHealth(cfg), logger, source)
 
 
 @dataclasses.dataclass
@@ -412,70 +418,55 @@ def main(argv=None):
     with process.borrowed() as opened:
         cfg, device = setup(argv)
         try:
-            return run(cfg, device, opened)
+            return train(start(cfg, device, opened))
         except Exception as error:  # a lost peer's failed collective: one line naming the peer
             checkpoint.stop_if_a_peer_is_lost(cfg.output_dir, error)
             raise
 
 
-def run(cfg, device, opened):
-    """Setup, the loop, the end. opened: what closes however the run ends (process.borrowed)."""
-    dataset, eval_sets, vision = data.load_datasets(cfg)  # data first: cheaper to find it wrong
-    model, ref_model, tokenizer, processor, dataset = load_models(
-        cfg, dataset, eval_sets, vision, device)
-    rewards = load_rewards(cfg, device, environments.environment_rewards(cfg, dataset))
-    generator = start_generator(cfg, model, tokenizer, processor, dataset, device)
-    eval_generator = start_eval_generator(cfg, model, tokenizer, processor, device)
-    optimizer, scheduler, total_steps = make_optimization(cfg, model, dataset, device)
-    rewards.max_steps, rewards.steps_per_epoch = total_steps, steps_per_epoch(cfg, dataset)
-    # a TrainerState: step 0, or the checkpoint resumed from
-    state = checkpoint.resume_or_start(cfg, model, optimizer, scheduler, ref_model)
-    stop_signal, health = checkpoint.watch_signals(device, cfg.output_dir), RunHealth(cfg)
-    logger = opened.enter_context(closing(Logger(cfg, total_steps, state, rewards.steps_per_epoch)))
-    source = opened.enter_context(closing(BatchSource(cfg, generator, dataset, rewards,
-                                                      tokenizer.pad_token_id, vars(state))))
-    step, num_tokens, saved_step, stopped = state.step, state.num_tokens, state.step, False
-
-    while step < total_steps and not stopped:
+def train(r):
+    """The loop: sample -> score -> update, then log and checkpoint; the end. -> Result"""
+    cfg, model, rewards, logger = r.cfg, r.model, r.rewards, r.logger
+    step, num_tokens, saved_step, stopped = r.state.step, r.state.num_tokens, r.state.step, False
+    while step < r.total_steps and not stopped:
         timings = {}
         # ======== 1. Sample: G completions for each of this rank's P prompts ========
         with timed(timings, "time/generation"):
-            batch, source_metrics = source.next(step)
+            batch, source_metrics = r.source.next(step)
         # ======== 2. Score: R, the KL-shaped r = R - beta * kl, leave-one-out advantages A ========
-        scores = score(cfg, batch, rewards, model, ref_model, step)
+        scores = score(cfg, batch, rewards, model, r.ref_model, step)
         sampled, batch_tokens = batch_metrics(cfg, batch, scores, rewards, timings | source_metrics)
         num_tokens += batch_tokens  # once per generated batch, however many passes train on it
-        health.scored(sampled["reward"], step)
+        r.health.scored(sampled["reward"], step)
         if step == 0:
             show_samples("before training", batch, scores, cfg.num_generations)
         # ======== 3. Update: mu passes over the batch, an optimizer step per mini-batch ========
-        passes = update(cfg, model, optimizer, scheduler, batch, scores)
-        for i, (sums, grad_norm, timings) in enumerate(passes):
+        for i, (sums, grad_norm, timings) in enumerate(update(cfg, model, r.optimizer, r.scheduler,
+                                                              batch, scores)):
             step += 1
-            models.sync_reference(cfg, model, ref_model, step)  # TR-DPO, with --sync_ref_model
+            models.sync_reference(cfg, model, r.ref_model, step)  # TR-DPO, with --sync_ref_model
             logger.add_step({**(sampled if i == 0 else {}),
-                             **step_metrics(sums, grad_norm, scheduler, timings, batch_tokens)})
+                             **step_metrics(sums, grad_norm, r.scheduler, timings, batch_tokens)})
             if logger.log_if_due(step, num_tokens=num_tokens) and cfg.log_completions:
                 logger.completions(step, *completions_table(step, batch, scores, rewards,
                                                             cfg.log_multimodal))
-            if eval_sets and step % cfg.eval_steps == 0:
-                logger.write(step, evaluate(cfg, eval_generator, eval_sets, rewards, model, step))
-            health.stepped(grad_norm)
-            if step >= total_steps:
+            if r.eval_sets and step % cfg.eval_steps == 0:
+                evaluated = evaluate(cfg, r.eval_generator, r.eval_sets, rewards, model, step)
+                logger.write(step, evaluated)
+            r.health.stepped(grad_norm)
+            if step >= r.total_steps:
                 break
         # ======== checkpoint: every save_steps, at the end, on SIGTERM or Ctrl-C ========
-        stopped = checkpoint.stop_requested(stop_signal)
-        if checkpoint.save_due(cfg, step, saved_step, total_steps, stopped):
-            saved = checkpoint.TrainerState(step, num_tokens, logger.window, **source.state())
-            checkpoint.save_checkpoint(cfg, model, optimizer, scheduler, saved, vision, ref_model)
+        stopped = checkpoint.stop_requested(r.stop_signal)
+        if checkpoint.save_due(cfg, step, saved_step, r.total_steps, stopped):
+            saved = checkpoint.TrainerState(step, num_tokens, logger.window, **r.source.state())
+            checkpoint.save_checkpoint(cfg, model, r.optimizer, r.scheduler, saved, r.vision,
+                                       r.ref_model)
             saved_step = step
-
-    if not stopped and step > state.step:
-        health.check_trained(step - state.step)
+    if not stopped and step > r.state.step:
+        r.health.check_trained(step - r.state.step)
         show_samples("after training", batch, scores, cfg.num_generations)
-    finish(cfg, model, processor or tokenizer, stopped, step, logger)
-    source.close()  # the generation thread, then the generator (a colocated engine takes the group)
-    return Result(cfg.output_dir, step, logger.last, stopped, dict(stack.PATHS))
+    return finish(r, stopped, step)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Bad input, one row per case: each kind of input (flags, dataset rows, reward functions and their outputs,
 checkpoints, signals, the disk) is checked where it enters, and each case ends in one clear line naming the flag,
-row, function or checkpoint at fault, with no traceback and nothing lost (README 'When something goes wrong').
+row, function or checkpoint at fault, with no traceback and nothing lost (docs/troubleshooting.md 'When something goes wrong').
 
 Cheap cases run in this process through the checkers themselves; the rest run train.py end to end."""
 

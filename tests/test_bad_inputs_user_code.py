@@ -21,6 +21,7 @@ import metrics
 import rewards
 import reward_calls
 import tools
+import train
 
 N = 4  # completions in every reward batch here: two prompts, G = 2
 ROW = {"prompt": "12=", "target": "12"}
@@ -175,8 +176,9 @@ def test_what_a_reward_logs_under_a_name_of_the_trainers_is_one_line(case):
     assert "reward function 'reward' raised at step 0: ValueError: " + message in error, error
 
 
-def test_every_metric_the_trainer_logs_is_reserved_from_log_metric():
-    """rewards.trainer_metric holds the trainer's names: every key of a batch's and a step's metrics."""
+def test_every_metric_the_trainer_logs_is_reserved_from_log_metric(tmp_path):
+    """metrics.trainer_metric holds the trainer's names: every key of a batch's and a step's metrics, and every key
+    a real run writes (so a metric added without its name in metrics.TRAINER_METRICS fails here)."""
     per_func = torch.zeros(N, 1)
     columns = {"rewards_per_func": per_func, "rewards": torch.zeros(N), "lengths": torch.ones(N),
                "truncated": torch.zeros(N), "kl_sums": torch.zeros(N), "loss_tokens": torch.ones(N),
@@ -189,8 +191,10 @@ def test_every_metric_the_trainer_logs_is_reserved_from_log_metric():
     keys |= set(metrics.step_metrics(sums, torch.tensor(1.0), scheduler, {"time/training": 1.0}, 1))
     keys |= {"step", "epoch", "num_tokens", "step_time", "tokens_per_second/generation", "sampling/staleness",
              "dynamic_sampling/rounds", "time/generation", "eval_reward"}
-    assert [k for k in keys if not rewards.trainer_metric(k)] == []
-    assert not rewards.trainer_metric("custom_accuracy") and not rewards.trainer_metric("judge/latency")
+    train.main(["--max_steps", "2", "--logging_steps", "1", "--output_dir", str(tmp_path)])
+    keys |= {k for line in (tmp_path / "metrics.jsonl").read_text().splitlines() for k in json.loads(line)}
+    assert [k for k in keys if not metrics.trainer_metric(k)] == []
+    assert not metrics.trainer_metric("custom_accuracy") and not metrics.trainer_metric("judge/latency")
 
 
 def test_a_package_directory_loads_as_reward_module(tmp_path):

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import time
+import types
 from importlib import metadata
 
 import pytest
@@ -61,6 +62,9 @@ def test_gpu_check_runs_on_cpu_with_a_tiny_shape_reporting_each_run_as_it_ends(t
     for variant in ("full", "lora", "packed", "trl"):
         assert "error" not in results[variant], (variant, results[variant])
         assert results[variant]["step_time"] > 0 and results[variant]["tokens_per_second/generation"] > 0
+        assert results[variant]["passed"] and results[variant]["claims"], results[variant]
+    assert results["packed"]["paths"]["packed attention"] == "causal SDPA per sequence"  # a CPU's
+    assert results["plan"]["versions"].startswith("torch ") and "peak_mib" in results["plan"]["methods"]
     assert "estimate on one H200" in out and "| lora |" in out
 
 
@@ -128,3 +132,27 @@ def test_the_long_tail_benchmark_reports_padded_and_packed_side_by_side(multi_tu
     assert [row[0] for row in rows] == ["| padded", "| padding_free", "| padding_free, 4096 tokens"]
     assert "tokens_per_second/training" in out.stdout and "peak_mib" in out.stdout
     assert all(float(value.strip(" |")) > 0 for row in rows for value in row[1:])
+
+
+def test_a_run_that_fails_its_claim_is_reported_failed(monkeypatch):
+    """The gpu suite's verdict is each run's claims, not its exit code: an embedded run that does not learn, a
+    packed run that took the per-sequence loop on a GPU, a LoRA run not lighter than full fine-tuning fail."""
+    def held(name, row, results, tiny=False):
+        return [c["held"] for c in bench.claims(name, row, results, tiny)]
+
+    assert held("embedded", {"first_tenth_reward": 0.1, "last_tenth_reward": 0.99}, {}) == [True]
+    assert held("embedded", {"first_tenth_reward": 0.1, "last_tenth_reward": 0.5}, {}) == [False]
+    assert held("embedded", {"last_tenth_reward": 0.0}, {}, tiny=True) == []  # 40 steps claim nothing
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    paths = {"precision": "bf16", "KV cache": "KVBuffer"}
+    full = {"finite": True, "paths": paths, "peak_mib": 1000.0}
+    assert held("full", full, {}) == [True, True, True]
+    assert held("packed", {**full, "paths": {**paths, "packed attention": "causal SDPA per sequence"},
+                           "peak_mib": 800.0}, {"full": full}) == [True, True, True, False, True]
+    assert held("lora", {**full, "peak_mib": 900.0}, {"full": full}) == [True, True, True, False]
+    assert held("full", {**full, "finite": False}, {}) == [False, True, True]
+    args = types.SimpleNamespace(report=None, deadline=60, tiny=False)
+    monkeypatch.setattr(bench, "run_child", lambda cmd, timeout: (0, ""))
+    row = bench.gpu_run(args, "lora", [], lambda: {**full, "peak_mib": 900.0}, 1.0, time.monotonic() + 60,
+                        {"full": full})
+    assert row["passed"] is False and "error" not in row

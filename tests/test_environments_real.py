@@ -1,4 +1,4 @@
-"""A TRL-style environment class on a real model (README 'Multi-turn: tools and environments'): SmolLM2-135M-Instruct
+"""A TRL-style environment class on a real model (docs/multi-turn.md 'Multi-turn: tools and environments'): SmolLM2-135M-Instruct
 with the calculator as the method of tests/data/calculator_env.py's CalculatorEnv, which scores itself (get_reward),
 so the run has no --reward_funcs. The tool-function twin is tests/test_multiturn.py's real-model test."""
 import pathlib

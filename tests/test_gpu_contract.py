@@ -1,6 +1,6 @@
 """The GPU path's contract, read on the CPU: what one step may cost in collectives, key lengths and kernels over
 [B, vocab]. Collective counts, tensor shapes and op counts are the same on a CPU as on a GPU, so each defect a
-reading of the GPU path found has a counter here that fails when the defect is put back (README 'On GPUs')."""
+reading of the GPU path found has a counter here that fails when the defect is put back (docs/gpus.md 'On GPUs')."""
 
 import collections
 import contextlib

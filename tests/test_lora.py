@@ -181,7 +181,7 @@ def test_model_init_kwargs_set_weight_dtype_and_attention(tmp_path, tiny_model_d
     loaded, _ = models.load_pretrained(cfg)
     assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
     assert loaded.config._attn_implementation == "eager"
-    assert sampler_rules.low_precision(cfg) and not train.old_logps_from_sampler(dataclasses.replace(cfg, bf16=False))
+    assert sampler_rules.low_precision(cfg) and not sampler_rules.old_logps_from_sampler(dataclasses.replace(cfg, bf16=False))
     out = run(["--model", str(model_dir), "--dataset", str(model_dir / "data.jsonl"), "--reward_funcs", "task_reward",
                "--max_completion_length", "5", "--bf16", "false", "--model_init_kwargs", '{"dtype": "bfloat16"}',
                "--max_steps", "2", "--logging_steps", "1", "--output_dir", str(tmp_path / "run")])

@@ -79,7 +79,7 @@ def test_generate_groups_masks_and_padding(tiny):
 @pytest.mark.parametrize("knobs", [dict(), dict(temperature=0.7, top_k=5, top_p=0.9, repetition_penalty=1.3)])
 def test_sampler_logps_equal_a_full_forward(tiny, knobs):
     """The recorded log-probs are log softmax(logits / T) of the sampled tokens: the same numbers the training
-    forward computes, so they can stand in for the separate scoring pass (README 'Where we differ from TRL, on purpose'). Filters don't enter them."""
+    forward computes, so they can stand in for the separate scoring pass (docs/coming-from-trl.md 'Where we differ from TRL, on purpose'). Filters don't enter them."""
     model, tokenizer, _ = tiny
     cfg = gen_cfg(**knobs)
     torch.manual_seed(1)
@@ -109,7 +109,7 @@ def test_decode_samples_from_the_processed_distribution_and_stops_when_all_rows_
     got = torch.bincount(ids[:, 0], minlength=len(want)).float() / n
     assert (got[want == 0] == 0).all() and (want > 0).sum() > 1
     torch.testing.assert_close(got, want, atol=0.015, rtol=0)
-    # the recorded log-probs are of the unfiltered distribution at temperature 0.7 (README 'vLLM generation': log-probs of softmax(logits / T))
+    # the recorded log-probs are of the unfiltered distribution at temperature 0.7 (docs/vllm.md 'vLLM generation': log-probs of softmax(logits / T))
     want_logps = torch.log_softmax(model(input_ids=prompt).logits[0, -1] / 0.7, -1)  # [V]
     torch.testing.assert_close(logps[:, 0], want_logps[ids[:, 0]])
     # every token an EOS: all rows end at once, and decode stops at the next check

@@ -1,15 +1,26 @@
 """The shape the code promises (README 'Files'): one concept per file, a train.py a reader can hold,
-short functions, short lines, imports that run one way, named interfaces. Checked with ast on every
-top-level .py file (tests excluded)."""
+short functions, short lines, imports that run one way, named interfaces. Checked with ast on the
+product's files, the README's 'Files' table: a file of the user's beside them (the README's
+my_rewards.py, a scratch script) is not held to them."""
 
 import ast
-import glob
 import os
+import re
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOP_LEVEL = sorted(glob.glob(os.path.join(ROOT, "*.py")))
+
+
+def product_files():
+    """The README's 'Files' table, in its order."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        table = f.read().split("\n## Files\n")[1].split("\n## ")[0]
+    return re.findall(r"(?m)^\| `([\w.]+)` \|", table)
+
+
+PRODUCT_FILES = product_files()
+TOP_LEVEL = [os.path.join(ROOT, name) for name in PRODUCT_FILES if name.endswith(".py")]
 MAX_FUNCTION_LINES, MAX_LINE = 60, 100
 PROJECT = {os.path.basename(p)[:-3] for p in TOP_LEVEL}
 
@@ -36,9 +47,23 @@ def test_train_py_is_at_most_500_lines():
         assert len(f.read().splitlines()) <= 500
 
 
-def test_main_is_at_most_60_lines():
-    (main,) = [f for f in functions(os.path.join(ROOT, "train.py")) if f.name == "main"]
-    assert length(main) <= MAX_FUNCTION_LINES
+def test_main_and_the_loop_are_well_under_the_function_limit():
+    """Room for an experiment: a few more lines in the loop must not trip a rule."""
+    lengths = {f.name: length(f) for f in functions(os.path.join(ROOT, "train.py"))}
+    assert lengths["main"] <= 30 and lengths["train"] <= 50, lengths
+
+
+def test_every_module_the_product_imports_is_in_the_table():
+    """A new concept's file joins the table (and the rules); a file nothing imports is the user's."""
+    found, todo = set(), ["train", "bench", "bench_shapes"]
+    modules = {name[:-3] for name in os.listdir(ROOT) if name.endswith(".py")}
+    while todo:
+        name = todo.pop()
+        found.add(name)
+        path = os.path.join(ROOT, name + ".py")
+        todo += sorted(project_imports(path, True, modules) - found)
+    assert found <= PROJECT, found - PROJECT
+    assert {os.path.basename(p) for p in TOP_LEVEL} == {m + ".py" for m in found}, "in the table, unused"
 
 
 @pytest.mark.parametrize("path", TOP_LEVEL, ids=os.path.basename)
@@ -60,7 +85,7 @@ def test_every_file_opens_with_a_docstring(path):
         assert ast.get_docstring(ast.parse(f.read())), os.path.basename(path)
 
 
-def project_imports(path, top_level_only):
+def project_imports(path, top_level_only, project=None):
     """The project modules a file imports (at module level, or inside functions)."""
     with open(path) as f:
         tree = ast.parse(f.read())
@@ -71,7 +96,7 @@ def project_imports(path, top_level_only):
             found |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             found.add(node.module.split(".")[0])
-    return found & PROJECT
+    return found & (PROJECT if project is None else project)
 
 
 def test_imports_run_one_way_without_a_cycle():

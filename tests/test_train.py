@@ -196,7 +196,7 @@ def test_mask_truncated_completions_drops_their_tokens_but_keeps_their_reward_in
 
 
 def test_kl_from_sampler_logps_equals_two_pass_computation():
-    """README 'Where we differ from TRL, on purpose': advantages computed with the sampler's log-probs equal those of TRL's separate scoring pass."""
+    """docs/coming-from-trl.md 'Where we differ from TRL, on purpose': advantages computed with the sampler's log-probs equal those of TRL's separate scoring pass."""
     model, tokenizer, _ = data.embedded_task(seed=0)
     ref = copy.deepcopy(model)
     with torch.no_grad():

@@ -1,0 +1,224 @@
+"""The docs name what exists, and cannot drift from the code: every `module.name`, `file.py` and `--flag` that
+README.md, docs/*.md, the product's docstrings and `--help` mention; every section a citation names ("README
+'Files'", "docs/vllm.md 'vLLM generation'") and every docs/ link; the lists of built-ins and of reserved names
+against the code's tables; the README's file table against the files; and the README's worked example, applied to
+a copy of the repository."""
+
+import ast
+import glob
+import importlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import config
+import data
+import environments
+import metrics
+import rewards
+from test_shape import PRODUCT_FILES, ROOT
+
+MODULES = sorted(f[:-3] for f in PRODUCT_FILES if f.endswith(".py"))
+DOCS = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+# a user's own files in the examples, and other projects' sources: not ours to find
+EXAMPLE_FILES = re.compile(r"^(my_\w+|FILE|file|path/to/file|__init__|envs|frozen_lake|increment_env)\.py$|^vllm/")
+NOT_NAMES = {"py", "md", "json", "jsonl", "txt", "csv", "parquet", "safetensors", "sh", "lock", "whl", "gguf",
+             "jinja"}  # file names: metrics.jsonl, rloo.lock
+# torchrun's own flags (the launch recipes)
+OTHER_FLAGS = {"nproc_per_node", "rdzv_endpoint", "rdzv_backend", "rdzv_id", "node_rank", "master_addr",
+               "master_port"}
+
+
+def read(path):
+    with open(os.path.join(ROOT, path)) as f:
+        return f.read()
+
+
+def prose(text):
+    """Markdown without its fenced code blocks (their names are local variables, not references)."""
+    return re.sub(r"```.*?```", "", text, flags=re.S)
+
+
+def docstrings(path):
+    tree = ast.parse(read(path))
+    kinds = (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    return "\n".join(ast.get_docstring(node) or "" for node in ast.walk(tree) if isinstance(node, kinds))
+
+
+def help_text():
+    done = subprocess.run([sys.executable, "train.py", "--help"], capture_output=True, text=True, cwd=ROOT)
+    return done.stdout
+
+
+def texts():
+    """Where the product names things: the docs, each product file's docstrings, --help."""
+    found = {path: prose(read(path)) for path in DOCS}
+    found.update({f"{path} (docstrings)": docstrings(path) for path in PRODUCT_FILES if path.endswith(".py")})
+    found["train.py --help"] = help_text()
+    return found
+
+
+def defined(module):
+    """The names a product module defines itself (not those it imports): its functions, classes and
+    assignments at the top level."""
+    names = set()
+    for node in ast.parse(read(module + ".py")).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        for target in targets:
+            for name in ast.walk(target) if target is not None else []:
+                if isinstance(name, ast.Name):
+                    names.add(name.id)
+    return names
+
+
+def missing_names(text):
+    """`module.name` (or module.Class.attribute) references in text to product modules that do not define
+    them (a name the module only imports does not count: rollout.Rollout once moved to batches)."""
+    missing = []
+    for match in re.finditer(r"(?<![\w./-])(" + "|".join(MODULES) + r")\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)", text):
+        chain = match[2].split(".")
+        if chain[0] in NOT_NAMES:
+            continue
+        if chain[0] not in defined(match[1]):
+            missing.append(match[0])
+            continue
+        obj = getattr(importlib.import_module(match[1]), chain[0])
+        for part in chain[1:]:
+            if not hasattr(obj, part):
+                missing.append(match[0])
+                break
+            obj = getattr(obj, part)
+    return missing
+
+
+def test_every_module_name_the_docs_mention_exists():
+    """rollout.Rollout (moved to batches), rollout.sampling_processors (to sampler) and forward.py's former name
+    logps.py were all still named by the docs once."""
+    missing = {where: found for where, text in texts().items() if (found := missing_names(text))}
+    assert not missing, missing
+
+
+def test_the_name_check_finds_a_stale_name():
+    assert missing_names("the batch is `rollout.Rollout`, built by `batches.concat`") == ["rollout.Rollout"]
+
+
+def test_every_file_and_flag_the_docs_mention_exists():
+    fields, bench = set(config.Config.__dataclass_fields__), set(re.findall(r'add_argument\("--(\w+)"',
+                                                                             read("bench.py")))
+    problems = []
+    for where, text in texts().items():
+        for match in re.finditer(r"(?<![\w/.-])([\w/.-]*\w\.py)\b", text):
+            path = match[1]
+            if not EXAMPLE_FILES.search(path) and not any(os.path.exists(os.path.join(ROOT, d, path))
+                                                          for d in ("", "tests", "tests/data")):
+                problems.append((where, path))
+        for flag in re.findall(r"--([a-z0-9]+(?:_[a-z0-9]+)+)", text):  # ours have underscores; vLLM's hyphens
+            if flag.removeprefix("no_") not in fields | bench | OTHER_FLAGS:  # --no_X: a boolean's off
+                problems.append((where, "--" + flag))
+    assert not problems, problems
+
+
+def test_every_cited_section_and_linked_page_exists():
+    """Code and docs cite sections by page and heading, as README 'Files' or docs/vllm.md 'vLLM generation' (a
+    title may wrap over lines, in a comment too), and link the pages."""
+    headings = {path: re.findall(r"(?m)^#+ (.+)$", read(path)) for path in DOCS}
+    tests = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "tests", "*.py")))
+    sources = DOCS + PRODUCT_FILES + [t for t in tests if t != "tests/test_docs.py"] + [".ci/run"]
+    problems = []
+    for source in sources:
+        text = read(source)
+        for page, title in re.findall(r"(README|docs/[\w-]+\.md) '([^']+)'", text):
+            page, title = "README.md" if page == "README" else page, re.sub(r"\s+(#\s*)?", " ", title)
+            if title not in headings.get(page, []):
+                problems.append((source, page, title))
+        base = os.path.dirname(source) if source.endswith(".md") else ""
+        for link in re.findall(r"\]\(([\w./-]+\.md)\)", text):
+            if not os.path.exists(os.path.join(ROOT, base, link)):
+                problems.append((source, link))
+    assert not problems, problems
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    linked = set(re.findall(r"\]\((docs/[\w-]+\.md)\)", read("README.md")))
+    assert linked == set(DOCS[1:]), set(DOCS[1:]) ^ linked
+
+
+def test_the_readme_front_page_is_short():
+    assert len(read("README.md").splitlines()) <= 300
+
+
+def test_the_lists_of_built_ins_are_the_codes():
+    """Each built-in reward (rewards.BUILTIN_NAMES) and environment (environments.BUILTINS) is named by --help
+    and by its page; the README's 'Files' table lists the product's files, and no other."""
+    helped = help_text().replace("\n", " ")
+    for name in rewards.BUILTIN_NAMES:
+        assert name in helped and re.search(rf"`{name}\b", read("docs/rewards.md")), name
+    for name in environments.BUILTINS:
+        assert name in helped and re.search(rf"\b{name}\b", read("docs/multi-turn.md")), name
+    on_disk = {f for f in os.listdir(ROOT) if f.endswith((".py", ".sh")) and not f.startswith("my_")}
+    assert set(PRODUCT_FILES) == on_disk - {"conftest.py"}, set(PRODUCT_FILES) ^ on_disk
+
+
+def test_the_reserved_names_are_listed_where_their_users_read():
+    """What the trainer passes reward functions (data.REWARD_ARGUMENTS: no dataset column may take these names)
+    is listed in docs/rewards.md; the metric names and groups it owns (metrics.TRAINER_METRICS, TRAINER_GROUPS: no
+    reward function may log under them) in docs/reference.md."""
+    reward_page, reference = read("docs/rewards.md"), read("docs/reference.md")
+    for name in data.REWARD_ARGUMENTS:
+        assert re.search(rf"`{name}\b", reward_page), name
+    for name in metrics.TRAINER_METRICS:
+        assert re.search(rf"`{name}\b", reference), name
+    for group in metrics.TRAINER_GROUPS:
+        assert f"`{group}/" in reference, group
+
+
+def test_the_advantage_estimators_are_the_table_and_the_functions():
+    """config.ADVANTAGE_ESTIMATORS (the flag's choices and help) names exactly rloo.py's NAME_advantages(rewards,
+    num_generations) functions."""
+    import rloo
+    functions = {name.removesuffix("_advantages") for name, f in vars(rloo).items()
+                 if name.endswith("_advantages") and callable(f)
+                 and list(__import__("inspect").signature(f).parameters) == ["rewards", "num_generations"]}
+    assert functions == set(config.ADVANTAGE_ESTIMATORS)
+
+
+def worked_example():
+    """The README's worked example: (the function for rloo.py, the entry for config.ADVANTAGE_ESTIMATORS)."""
+    section = read("README.md").split("### Worked example")[1].split("\n### ")[0]
+    function, entry = re.findall(r"```python\n(.*?)```", section, re.S)
+    return function, entry
+
+
+def test_the_worked_example_trains_and_keeps_the_house_rules(tmp_path):
+    """The two blocks of README 'Worked example: GRPO's advantages', applied to a copy of the repository as a reader
+    would (the function after rloo_advantages, the entry into the table): --advantage_estimator grpo trains the
+    embedded task (its group-normalised advantages reach the loss), and the copy, with a scratch file of the
+    reader's beside train.py, passes the house rules."""
+    function, entry = worked_example()
+    copy = tmp_path / "rloo"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "runs", "__pycache__", ".pytest_cache"))
+    source = (copy / "rloo.py").read_text()
+    anchor = source.index("\n\n\ndef ", source.index("def rloo_advantages"))
+    (copy / "rloo.py").write_text(source[:anchor] + "\n\n\n" + function.rstrip() + source[anchor:])
+    table = (copy / "config.py").read_text()
+    anchor = table.index("\n", table.index("ADVANTAGE_ESTIMATORS = {\n    "))
+    (copy / "config.py").write_text(table[:anchor + 1] + entry + table[anchor + 1:])
+    # and a reader's scratch file beside train.py, as the README's my_rewards.py: not held to the house rules
+    (copy / "my_rewards.py").write_text("def f(completions, **kwargs):\n" + "    x = 1\n" * 80 +
+                                        "    return [0.0 for _ in completions]  # " + "x" * 120 + "\n")
+    run = subprocess.run([sys.executable, "train.py", "--advantage_estimator", "grpo", "--max_steps", "60",
+                          "--logging_steps", "20", "--output_dir", str(tmp_path / "out")], capture_output=True,
+                         text=True, cwd=copy, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    logged = [__import__("json").loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert logged[-1]["reward"] > logged[0]["reward"], logged
+    rules = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_shape.py",
+                            "tests/test_docs.py::test_the_advantage_estimators_are_the_table_and_the_functions"],
+                           capture_output=True, text=True, cwd=copy, timeout=600)
+    assert rules.returncode == 0, rules.stdout[-3000:]
