@@ -7,19 +7,21 @@ a copy of the repository."""
 import ast
 import glob
 import importlib
+import inspect
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 
-import pytest
 
 import config
 import data
 import environments
 import metrics
 import rewards
+import rloo
 from test_shape import PRODUCT_FILES, ROOT
 
 MODULES = sorted(f[:-3] for f in PRODUCT_FILES if f.endswith(".py"))
@@ -181,10 +183,9 @@ def test_the_reserved_names_are_listed_where_their_users_read():
 def test_the_advantage_estimators_are_the_table_and_the_functions():
     """config.ADVANTAGE_ESTIMATORS (the flag's choices and help) names exactly rloo.py's NAME_advantages(rewards,
     num_generations) functions."""
-    import rloo
     functions = {name.removesuffix("_advantages") for name, f in vars(rloo).items()
                  if name.endswith("_advantages") and callable(f)
-                 and list(__import__("inspect").signature(f).parameters) == ["rewards", "num_generations"]}
+                 and list(inspect.signature(f).parameters) == ["rewards", "num_generations"]}
     assert functions == set(config.ADVANTAGE_ESTIMATORS)
 
 
@@ -216,7 +217,7 @@ def test_the_worked_example_trains_and_keeps_the_house_rules(tmp_path):
                           "--logging_steps", "20", "--output_dir", str(tmp_path / "out")], capture_output=True,
                          text=True, cwd=copy, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
-    logged = [__import__("json").loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert logged[-1]["reward"] > logged[0]["reward"], logged
     rules = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_shape.py",
                             "tests/test_docs.py::test_the_advantage_estimators_are_the_table_and_the_functions"],
