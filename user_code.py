@@ -28,7 +28,7 @@ def load(source, what):
     entry = os.path.join(path, "__init__.py") if package else path
     if not os.path.isfile(entry):
         raise ValueError(f"{what} directory {source!r} has no __init__.py: make it a package, or "
-                         "give DIR/FILE.py" if package else
+                         "give DIR/FILE.py:FUNCTION" if package else
                          f"{what} file {source!r} does not exist")
     name = f"rloo_user_{next(numbers)}_{os.path.basename(path).removesuffix('.py')}"
     spec = importlib.util.spec_from_file_location(
@@ -63,5 +63,5 @@ def import_error(error, entry):
     path = os.path.realpath(entry)
     lines = [f.lineno for f in traceback.extract_tb(error.__traceback__)
              if os.path.realpath(f.filename) == path]
-    where = f"line {lines[-1]} raised " if lines else ""
-    return f"{where}{type(error).__name__}: {error}"
+    where = f" ({entry}, line {lines[-1]})" if lines else ""
+    return f"{type(error).__name__}: {error}{where}"

@@ -147,7 +147,11 @@ sys.path.insert(0, {root!r})
 import checkpoint, distributed
 distributed.PEERS[:] = [(socket.gethostname(), os.getpid()), (socket.gethostname(), {dead})]
 checkpoint.watch_signals("cpu", {out!r})
-{then}
+try:
+    {then}
+except Exception as error:  # as train.main does on an error's way out
+    checkpoint.stop_if_a_peer_is_lost({out!r}, error)
+    raise
 '''
 SURVIVOR_CASES = {  # name: (what the survivor does next, the line, exit code)
     # torchrun's SIGTERM after rank 1 died: no wait for a step's end (whose collectives would hang)

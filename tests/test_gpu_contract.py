@@ -242,8 +242,10 @@ def test_each_timed_phase_reports_its_peak_memory_and_an_enclosing_phase_keeps_i
     timings = {}
     with metrics.timed(timings, "time/training"):
         with metrics.timed(timings, "time/forward_backward"):
-            big = torch.ones(64 * 2**20 // 4)  # 64 MiB of fresh pages, alive for a while as activations are
-            time.sleep(0.1)
+            big = torch.ones(64 * 2**20 // 4)  # 64 MiB of fresh pages, alive while the sampler reads (a busy
+            deadline = time.monotonic() + 30  # machine may not run its thread for a while)
+            while metrics.OPEN_PHASES[-1]["peak"] < metrics.in_use() - 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
             del big
         with metrics.timed(timings, "time/optimizer"):
             pass

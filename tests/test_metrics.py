@@ -39,7 +39,9 @@ PHASES = """
             clear_refs()
         with metrics.timed(timings, phase):
             big = torch.ones(mib * 2**20 // 4)
-            time.sleep(0.05)
+            deadline = time.monotonic() + 30  # alive until the sampler has read it (a busy machine may not
+            while metrics.OPEN_PHASES[-1]["peak"] < metrics.in_use() - 1 and time.monotonic() < deadline:
+                time.sleep(0.01)  # run its thread for a while)
             del big
     print(json.dumps({"base": base, "run_peak": metrics.run_peak(), "phase": timings["memory/forward_backward"]}))
 """
