@@ -254,6 +254,7 @@ def test_each_timed_phase_reports_its_peak_memory_and_an_enclosing_phase_keeps_i
     assert timings["memory/training"] >= timings["memory/forward_backward"]
 
 
+@pytest.mark.stack
 def test_compile_decode_on_an_fsdp2_model_is_one_graph_over_two_generations(process_group, monkeypatch):
     """--compile_decode on the bf16 FSDP2 policy (2 layers, one process): the weights are gathered for the whole
     generation and the units run as plain modules, so the step is one Dynamo graph, not one per layer recompiled on
@@ -277,6 +278,7 @@ def test_compile_decode_on_an_fsdp2_model_is_one_graph_over_two_generations(proc
     assert all(isinstance(p, DTensor) for p in model.parameters())  # resharded after each
 
 
+@pytest.mark.stack
 def test_compile_decode_takes_cuda_graphs_only_where_their_static_inputs_stay_put(process_group):
     """CUDA graphs replay on the addresses they were recorded on (cudagraph trees record again for a static input
     that moved). Two generations with an optimizer step between: a plain model's weights (updated in place) and its
@@ -302,6 +304,7 @@ def test_compile_decode_takes_cuda_graphs_only_where_their_static_inputs_stay_pu
     assert moved[False] == 0 and moved[True] == 1, moved
 
 
+@pytest.mark.stack
 def test_under_torchrun_only_rank_0_holds_the_full_weights_on_the_host_while_loading(tmp_path):
     """Rank 0 reads the directory; rank 1 builds the model on the meta device and receives its shard from rank 0
     (models.fill_from_rank0). Rank 1's resident set grows by at most its half and one tensor; every parameter and

@@ -51,6 +51,7 @@ def train_steps(model, cfg, tokenizer, prompts, steps, lr=1e-2):
     return optimizer, batch
 
 
+@pytest.mark.stack
 def test_only_the_adapter_gets_gradients_and_optimizer_state():
     base, tokenizer, _ = data.embedded_task(seed=0)
     before = {k: v.clone() for k, v in base.state_dict().items()}
@@ -80,6 +81,7 @@ def adapter_off_matches_base(base_copy, model, tokenizer, prompts, cfg):
     return off, on, untouched
 
 
+@pytest.mark.stack
 def test_adapter_off_equals_the_untouched_base_after_training_tiny():
     base, tokenizer, _ = data.embedded_task(seed=0)
     untouched = copy.deepcopy(base)
@@ -103,6 +105,7 @@ def test_adapter_off_equals_the_untouched_base_after_training_smollm2(smollm2_di
     assert (on - base_logps).abs().max() > 1e-3
 
 
+@pytest.mark.stack
 def test_merged_weights_reproduce_the_adapted_policy(tmp_path):
     """lora.hf_weights: W + (alpha/r) B A under the base architecture's names, loaded strictly into a plain model,
     gives the adapted model's log-probs; save_hf writes those weights and the adapter, which peft loads back."""
@@ -150,6 +153,7 @@ def test_lora_run_learns_and_exports_merged_weights(tmp_path):
     assert os.path.exists(tmp_path / "exported" / "adapter" / "adapter_model.safetensors")
 
 
+@pytest.mark.stack
 def test_lora_two_process_fsdp_step_equals_one_process_step(tmp_path):
     flags = ["--bf16", "false", "--use_peft", "--lora_target_modules", "all-linear"]
     one = worker(tmp_path / "one.pt", False, *flags)
@@ -271,6 +275,7 @@ def test_num_generations_eval(tmp_path):
     assert sizes == [(8, 16), (8, 16)] and "eval_reward" in metrics
 
 
+@pytest.mark.stack
 def test_qlora_trains_the_adapter_over_a_4bit_base_and_saves_it_merged(tmp_path, tiny_model_dir):
     """--load_in_4bit (bitsandbytes NF4, CPU path): the base layers are 4-bit, the run trains, the first step's KL is 0
     (adapter off == adapter with B = 0), and the final model is the adapter merged into the full-precision base."""

@@ -218,6 +218,7 @@ def test_the_decode_loop_keeps_each_trajectorys_kv_cache_from_turn_to_turn():
     torch.testing.assert_close(chunked.sampler_logps, batch.sampler_logps, atol=1e-5, rtol=0)
 
 
+@pytest.mark.stack
 def test_the_static_cache_grows_across_turns_and_samples_what_the_growing_one_does(monkeypatch):
     """The GPU path's static cache (fixed shapes, in 256-column steps) over turns whose replies take a trajectory
     past 256 columns: the buffers move to 512 columns and the samples equal those of the growing cache. With

@@ -20,6 +20,8 @@ import train
 from batches import Rollout
 from test_train import read_metrics, run, worker
 
+pytestmark = pytest.mark.stack  # version-sensitive: CI runs it on the newest and oldest stacks too
+
 VOCAB = 64
 
 

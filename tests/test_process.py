@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 RUNS = """
@@ -57,6 +59,7 @@ def copied(completions, target, **kwargs):
 '''
 
 
+@pytest.mark.stack
 def test_runs_in_one_process_equal_fresh_ones_and_leave_the_process_as_found(tmp_path):
     """Three train.main calls in one process (the embedded task, then other flags, then the first again): after
     each, the signal handlers (SIGINT raises KeyboardInterrupt again), sys.excepthook (torch.distributed wraps it),

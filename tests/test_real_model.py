@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -46,6 +47,7 @@ def train_run(tmp_path, model_dir, *flags, steps=1):
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.stack
 def test_loaded_model_trains_in_train_mode_with_checkpointing_active(smollm2_dir):
     """from_pretrained hands over an eval-mode model, and Hugging Face layers checkpoint only in train mode: with
     --gradient_checkpointing the layers must run again in backward (recomputation), and only then."""
@@ -122,6 +124,7 @@ def test_decode_loop_with_penalty_and_filters_records_the_trainers_log_probs(tmp
     assert abs(metrics["kl"]) <= 1e-4
 
 
+@pytest.mark.stack
 def test_string_prompts_get_the_tokenizers_bos_and_conversations_only_the_templates(smollm2_dir):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     question = "What is 2 + 3?"
@@ -208,6 +211,7 @@ def logps_and_grads(model, batch, chunked):
     return logps.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.stack
 def test_chunked_head_gives_the_full_logits_log_probs_and_gradients(smollm2_dir):
     """LogpsHead (the [b, T, V] logits never exist) against the model's own head: the same log-probs, entropies and
     gradients in fp32, on a real 49k vocabulary, tied embeddings and gradient checkpointing."""

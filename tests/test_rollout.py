@@ -13,6 +13,8 @@ import rollout
 import sampler
 from vllm_server import wait_for_server
 
+pytestmark = pytest.mark.stack  # version-sensitive: CI runs it on the newest and oldest stacks too
+
 CPU = torch.device("cpu")
 
 
@@ -306,6 +308,7 @@ def test_train_with_vllm_logs_drift_and_sync_time(tmp_path, chat_model_dir, vllm
 
 RECORD_COMPLETIONS = """
 import json, os
+
 def record(completions, **kwargs):
     with open(os.environ["COMPLETIONS_LOG"], "a") as f:
         f.write(json.dumps([c[-1]["content"] for c in completions]) + "\\n")

@@ -11,6 +11,8 @@ import torch
 
 import stack
 
+pytestmark = pytest.mark.stack  # version-sensitive: CI runs it on the newest and oldest stacks too
+
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)  # devices as data: nothing here touches a GPU
 
 

@@ -276,6 +276,7 @@ def test_prompt_indices_are_disjoint_across_ranks_and_cover_an_epoch():
 
 # ------------------------------------------------------------------------------------------------ end to end
 
+@pytest.mark.stack
 def test_single_process_run_logs_spec_metrics_and_saves_hf_model(tmp_path):
     out = run(FAST + ["--beta", "0.1", "--output_dir", str(tmp_path)])
     assert out.returncode == 0, out.stderr[-3000:]
@@ -313,6 +314,7 @@ def test_num_iterations_replays_batch_with_stored_old_logps(tmp_path):
     assert "reward" in metrics[0] and "reward" not in metrics[1]  # one generation per 3 steps
 
 
+@pytest.mark.stack
 def test_real_model_path_and_jsonl_dataset(tiny_model_dir, tmp_path):
     out = run(["--model", str(tiny_model_dir), "--dataset", str(tiny_model_dir / "data.jsonl"),
                "--reward_funcs", "task_reward", "--bf16", "false", "--max_steps", "2", "--logging_steps", "1",
@@ -361,6 +363,7 @@ def test_wandb_offline_run_files_hold_the_logged_metrics(tmp_path):
         assert "completions/clipped_ratio" in h
 
 
+@pytest.mark.stack
 def test_embedded_default_learns(tmp_path):
     """`python train.py` as the README runs it: reward in the last 10% of steps >= 0.8 and >= 3x the first 10%."""
     out = run(["--output_dir", str(tmp_path), "--logging_steps", "1"], timeout=900)
@@ -384,6 +387,7 @@ def worker(out, torchrun, *flags):
 
 @pytest.mark.parametrize("flags, tol, weights_tol", [(["--bf16", "false"], 1e-5, 1e-6), (["--bf16", "true"], 3e-4, 2e-3),
                                                     (["--bf16", "false", "--cpu_offload", "true"], 1e-5, 1e-6)])
+@pytest.mark.stack
 def test_two_process_fsdp_step_equals_one_process_step(tmp_path, flags, tol, weights_tol):
     """The same global batch of 16: 1 process (2 micro-steps of 8) vs 2 FSDP2 ranks (2 micro-steps of 4 each).
     fp32 (also with FSDP2 CPU offload): same loss, gradient norm and updated weights to float tolerance. bf16: one
@@ -403,6 +407,7 @@ def test_two_process_fsdp_step_equals_one_process_step(tmp_path, flags, tol, wei
         assert synced < 4e-3, synced
 
 
+@pytest.mark.stack
 def test_gradient_checkpointing_and_bf16_change_memory_not_math():
     model, tokenizer, _ = data.embedded_task(seed=0)
     cfg = cfg_for(num_generations=4, max_completion_length=6)
@@ -425,7 +430,7 @@ def test_gradient_checkpointing_and_bf16_change_memory_not_math():
 
 
 @pytest.mark.parametrize("torchrun, flags", [
-    (False, []), (True, []),
+    pytest.param(False, [], marks=pytest.mark.stack), pytest.param(True, [], marks=pytest.mark.stack),
     (True, ["--use_peft", "--lora_target_modules", "all-linear"]),  # the checkpoint holds the adapter only
     (False, ["--sync_ref_model", "--ref_model_sync_steps", "3", "--ref_model_mixup_alpha", "0.5"]),  # and the ref
     (True, ["--dynamic_sampling"]),  # the data position is saved, not derived from the step
