@@ -20,7 +20,6 @@ import train
 from batches import Rollout
 from test_train import read_metrics, run, worker
 
-pytestmark = pytest.mark.stack  # version-sensitive: CI runs it on the newest and oldest stacks too
 
 VOCAB = 64
 
@@ -93,6 +92,7 @@ def assert_same(packed, padded):
                                    msg=name)
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("chunked", [True, False])
 def test_packed_forward_equals_padded_in_logps_entropy_and_gradients(kind, chunked):
@@ -106,6 +106,7 @@ def test_packed_forward_equals_padded_in_logps_entropy_and_gradients(kind, chunk
     assert all(torch.equal(a, b) for a, b in zip(again[:2], padded[:2]))
 
 
+@pytest.mark.stack
 def test_a_copy_of_a_model_after_a_packed_forward_still_runs_padded_and_packed():
     """Review: a copy.deepcopy of the model (a reference made from the policy, a user's EMA) after a packed forward
     raised KeyError in the mask function, its config unknown to packing.BASE; it now falls back to sdpa."""
@@ -118,6 +119,7 @@ def test_a_copy_of_a_model_after_a_packed_forward_still_runs_padded_and_packed()
     assert_same(logps_and_grads(twin, batch, padding_free=True), padded)
 
 
+@pytest.mark.stack
 def test_packed_forward_equals_padded_with_lora():
     base = tiny("llama")
     model = lora.add_adapter(base, dict(r=4, lora_alpha=8, target_modules="all-linear"))
@@ -128,6 +130,7 @@ def test_packed_forward_equals_padded_with_lora():
     assert_same(logps_and_grads(model, batch, True), logps_and_grads(model, batch, False))
 
 
+@pytest.mark.stack
 def test_packed_row_has_no_padding_and_attention_one_sequence_at_a_time(monkeypatch):
     """The hot path's shapes: one row of exactly the real tokens, no mask, and per-sequence SDPA
     calls of each sequence's length (never an [N, N] score matrix)."""
@@ -163,6 +166,7 @@ class Written(TorchDispatchMode):
         return out
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_attention_backward_writes_the_row_a_few_times_not_once_per_sequence(dtype):
     """48 sequences in a row: a slice per sequence would make backward write a zero gradient of the
@@ -208,6 +212,7 @@ def test_embedded_task_learns_packed_with_a_token_budget(tmp_path):
     assert last >= 0.8 and last >= 3 * first, (first, last)
 
 
+@pytest.mark.stack
 def test_pack_restarts_positions_and_scores_each_completion_token_from_the_one_before():
     batch = long_tail_batch(B=3, L=3, T=4)
     packed = packing.pack(batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
@@ -220,6 +225,7 @@ def test_pack_restarts_positions_and_scores_each_completion_token_from_the_one_b
     assert torch.equal(packing.unpack(per_token, packed) > 0, batch.completion_mask.bool())
 
 
+@pytest.mark.stack
 def test_first_fit_decreasing_fills_the_budget_and_splits_to_a_count():
     groups = forward.first_fit_decreasing([5, 1, 9, 3, 4, 2], budget=10)
     assert groups == [[2, 1], [0, 4], [3, 5]]
@@ -227,6 +233,7 @@ def test_first_fit_decreasing_fills_the_budget_and_splits_to_a_count():
     assert sorted(map(len, forward.split_into(groups, 5))) == [1, 1, 1, 1, 2]
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("padding_free", [False, True])
 def test_token_budget_micro_batches_give_the_sequence_count_step(padding_free):
     """policy_step's update (SGD, lr 1: minus the gradient) with micro-batches of at most 40 tokens
@@ -253,6 +260,7 @@ def test_token_budget_micro_batches_give_the_sequence_count_step(padding_free):
     assert updated[1][2] == updated[0][2] == 8
 
 
+@pytest.mark.stack
 def test_packed_router_aux_loss_is_over_real_tokens_as_padded():
     """A MoE model's load-balancing loss: the packed row has no padding, the padded forward masks
     it; both average over the same real tokens."""
@@ -271,6 +279,7 @@ def test_packed_router_aux_loss_is_over_real_tokens_as_padded():
     torch.testing.assert_close(got[3], want[3], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.stack
 def test_packed_forward_equals_padded_under_gradient_checkpointing():
     model = tiny("qwen2")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -279,6 +288,7 @@ def test_packed_forward_equals_padded_under_gradient_checkpointing():
     assert_same(logps_and_grads(model, batch, True), logps_and_grads(model, batch, False))
 
 
+@pytest.mark.stack
 def test_recurrent_layers_are_refused_in_one_line():
     config = LlamaConfig(num_hidden_layers=2)
     config.layer_types = ["linear_attention", "full_attention"]
@@ -287,6 +297,7 @@ def test_recurrent_layers_are_refused_in_one_line():
     packing.check_packable(LlamaConfig(num_hidden_layers=2))  # attention only: packable
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_multi_turn_packed_equals_padded_and_environment_tokens_stay_context(kind):
     """Multi-turn trajectories: the environment's replies go through the model as context (their
@@ -326,6 +337,7 @@ def test_multi_turn_packed_equals_padded_and_environment_tokens_stay_context(kin
     assert (logps.grad[batch.model_tokens()[:, :T].bool()] != 0).all()
 
 
+@pytest.mark.stack
 def test_two_process_packed_step_equals_padded_step(tmp_path):
     """tests/dist_worker.py's step (2 FSDP2 ranks on gloo, fp32, gradient checkpointing, a
     reference forward first): padded micro-batches of 4 vs packed ones of at most 24 tokens, for
@@ -343,6 +355,7 @@ def test_two_process_packed_step_equals_padded_step(tmp_path):
     assert diff < 1e-6, diff
 
 
+@pytest.mark.stack
 def test_every_rank_runs_as_many_micro_batches_as_the_busiest_with_one_all_reduce(monkeypatch):
     """The rank whose sequences fit in fewer micro-batches splits its largest until it has the
     count the all-reduce returns (another rank's 6 here), each row in exactly one; the scoring,
@@ -365,6 +378,7 @@ def test_every_rank_runs_as_many_micro_batches_as_the_busiest_with_one_all_reduc
     assert len(asked) == 2
 
 
+@pytest.mark.stack
 def test_the_packed_attention_arguments_are_those_flash_attention_varlen_takes():
     """On a GPU transformers' flash_attention_2 passes cu_seq_lens_q/k and max_length_q/k on to
     flash_attn_varlen_func as cu_seqlens_q/k, max_seqlen_q/k (modeling_flash_attention_utils.py):
@@ -408,6 +422,7 @@ def flash_stand_in(calls, release="2.12+"):
     return varlen_attn
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("kind,release", [("llama", "2.12+"), ("qwen2", "2.12+"),
                                           ("qwen2", "2.11"), ("qwen2", "2.10")])
 def test_flash_varlen_takes_the_packed_row_in_one_call_per_layer_and_equals_padded(
@@ -440,6 +455,7 @@ def test_flash_varlen_takes_the_packed_row_in_one_call_per_layer_and_equals_padd
     assert stack.PATHS["packed attention"] == packing.FLASH
 
 
+@pytest.mark.stack
 @pytest.mark.skipif(packing.varlen_attn is None, reason="this torch has no varlen_attn")
 @pytest.mark.parametrize("kv_heads", [8, 2])
 def test_flash_varlen_calls_the_installed_kernel_as_it_is_declared(kv_heads):

@@ -314,7 +314,6 @@ def test_num_iterations_replays_batch_with_stored_old_logps(tmp_path):
     assert "reward" in metrics[0] and "reward" not in metrics[1]  # one generation per 3 steps
 
 
-@pytest.mark.stack
 def test_real_model_path_and_jsonl_dataset(tiny_model_dir, tmp_path):
     out = run(["--model", str(tiny_model_dir), "--dataset", str(tiny_model_dir / "data.jsonl"),
                "--reward_funcs", "task_reward", "--bf16", "false", "--max_steps", "2", "--logging_steps", "1",
@@ -385,9 +384,10 @@ def worker(out, torchrun, *flags):
     return torch.load(out)
 
 
-@pytest.mark.parametrize("flags, tol, weights_tol", [(["--bf16", "false"], 1e-5, 1e-6), (["--bf16", "true"], 3e-4, 2e-3),
-                                                    (["--bf16", "false", "--cpu_offload", "true"], 1e-5, 1e-6)])
-@pytest.mark.stack
+@pytest.mark.parametrize("flags, tol, weights_tol", [
+    pytest.param(["--bf16", "false"], 1e-5, 1e-6, marks=pytest.mark.stack),
+    pytest.param(["--bf16", "true"], 3e-4, 2e-3, marks=pytest.mark.stack),
+    (["--bf16", "false", "--cpu_offload", "true"], 1e-5, 1e-6)])
 def test_two_process_fsdp_step_equals_one_process_step(tmp_path, flags, tol, weights_tol):
     """The same global batch of 16: 1 process (2 micro-steps of 8) vs 2 FSDP2 ranks (2 micro-steps of 4 each).
     fp32 (also with FSDP2 CPU offload): same loss, gradient norm and updated weights to float tolerance. bf16: one
@@ -430,7 +430,7 @@ def test_gradient_checkpointing_and_bf16_change_memory_not_math():
 
 
 @pytest.mark.parametrize("torchrun, flags", [
-    pytest.param(False, [], marks=pytest.mark.stack), pytest.param(True, [], marks=pytest.mark.stack),
+    (False, []), pytest.param(True, [], marks=pytest.mark.stack),
     (True, ["--use_peft", "--lora_target_modules", "all-linear"]),  # the checkpoint holds the adapter only
     (False, ["--sync_ref_model", "--ref_model_sync_steps", "3", "--ref_model_mixup_alpha", "0.5"]),  # and the ref
     (True, ["--dynamic_sampling"]),  # the data position is saved, not derived from the step
