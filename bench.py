@@ -280,7 +280,8 @@ def bench_config(args):
     return c
 
 
-def main():
+def arguments():
+    """bench.py's command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", choices=CONFIGS, default="overhead")
     parser.add_argument("--trainer", choices=["rloo", "trl"], default="rloo")
@@ -311,6 +312,11 @@ def main():
     # one run of the gpu suite, in its own process, on the model the suite built
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     parser.add_argument("--model_dir", help=argparse.SUPPRESS)
+    return parser
+
+
+def main():
+    parser = arguments()
     args, extra = parser.parse_known_args()
     if args.wheels:
         return download_wheels(args.wheels, extra)

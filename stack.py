@@ -101,3 +101,11 @@ def enable_activation_checkpointing(model):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
         took("activation checkpointing", "gradient_checkpointing_enable")
 
+
+
+def fsdp_param_groups(unit):
+    """An FSDP2 unit's parameter groups (private state, no public reader): a list from torch 2.13
+    (per-parameter meshes), one group or None before (torch 2.9 to 2.12)."""
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    return groups if groups is not None else [g for g in [state._fsdp_param_group] if g is not None]

@@ -5,6 +5,7 @@ row, function or checkpoint at fault, with no traceback and nothing lost (docs/t
 Cheap cases run in this process through the checkers themselves; the rest run train.py end to end."""
 
 import dataclasses
+import importlib.util
 import json
 import os
 import shutil
@@ -173,6 +174,16 @@ def test_output_dir_that_is_a_file_or_read_only_fails_at_startup(tmp_path):
     skipped = "cannot mount a read-only tmpfs here (needs root); the file case ran"
     with read_only_mount(tmp_path / "ro", skipped) as mount:
         assert "is not writable" in startup_error(["--output_dir", str(mount / "run")])
+
+
+@pytest.mark.parametrize("installed,error", [("0.31.1", True), ("0.32.0", False), ("0.34.0", False)])
+def test_a_vllm_older_than_the_declared_floor_stops_at_startup(monkeypatch, installed, error):
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: found(name if name != "vllm" else "json"))
+    monkeypatch.setattr(checks.stack, "version", lambda name: installed if name == "vllm" else None)
+    line = startup_error(["--use_vllm"])
+    assert (line == f"error: --use_vllm needs vLLM >= {checks.VLLM_OLDEST} (its weight-transfer engines); "
+            f"{installed} is installed: pip install -U vllm") == error
 
 
 # ------------------------------------------------------------------------------------------------ dataset rows

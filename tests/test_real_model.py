@@ -140,6 +140,7 @@ def test_string_prompts_get_the_tokenizers_bos_and_conversations_only_the_templa
     assert plain[0] == bos and plain[1:] == tokenizer(question, add_special_tokens=False).input_ids
     assert chat[0] == bos and chat.count(bos) == 1  # the template's BOS, and not a second one
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir)
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token  # as train.setup (5.17's GGUF: none)
     cfg = real_cfg(smollm2_dir, "--num_generations", "2", "--max_completion_length", "1")
     batch = rollout.generate(model, tokenizer, {"prompt": [question, "Hi"]}, cfg, torch.device("cpu"))
     first_real = batch.prompt_ids.gather(1, batch.prompt_mask.argmax(1, keepdim=True))  # after left padding

@@ -60,6 +60,19 @@ def test_activation_checkpointing_uses_the_entry_point_the_release_has(monkeypat
                      ("old", {"gradient_checkpointing_kwargs": {"use_reentrant": False}})]
 
 
+
+def test_fsdp_param_groups_reads_the_list_of_torch_2_13_and_the_single_group_before(process_group):
+    """The installed torch's FSDP2 state through the reader, then each release's shape as data."""
+    from torch.distributed.fsdp import fully_shard
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    fully_shard(model[0]), fully_shard(model)
+    assert [len(stack.fsdp_param_groups(unit)) for unit in (model[0], model)] == [1, 1]
+    group = object()
+    for state, groups in [(SimpleNamespace(_fsdp_param_groups=[group, group]), [group, group]),  # 2.13+
+                          (SimpleNamespace(_fsdp_param_group=group), [group]),  # 2.9-2.12
+                          (SimpleNamespace(_fsdp_param_group=None), [])]:  # a unit without parameters
+        assert stack.fsdp_param_groups(SimpleNamespace(_get_fsdp_state=lambda s=state: s)) == groups
+
 def test_the_start_up_names_the_versions_and_each_path_once(tmp_path):
     """A run says its stack and each path it took, once: the versions, the precision, the KV cache."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
