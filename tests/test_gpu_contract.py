@@ -5,6 +5,7 @@ reading of the GPU path found has a counter here that fails when the defect is p
 import collections
 import contextlib
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -242,11 +243,16 @@ def test_each_timed_phase_reports_its_peak_memory_and_an_enclosing_phase_keeps_i
     timings = {}
     with metrics.timed(timings, "time/training"):
         with metrics.timed(timings, "time/forward_backward"):
-            big = torch.ones(64 * 2**20 // 4)  # 64 MiB of fresh pages, alive while the sampler reads (a busy
-            deadline = time.monotonic() + 30  # machine may not run its thread for a while)
+            # 64 MiB of fresh pages, given back to the OS when closed (a freed tensor's may stay in the heap,
+            # resident, after a long test session), alive until the sampler has read them (a busy machine
+            # may not run its thread for a while)
+            big = mmap.mmap(-1, 64 * 2**20)
+            for page in range(0, len(big), mmap.PAGESIZE):
+                big[page] = 1
+            deadline = time.monotonic() + 30
             while metrics.OPEN_PHASES[-1]["peak"] < metrics.in_use() - 1 and time.monotonic() < deadline:
                 time.sleep(0.01)
-            del big
+            big.close()
         with metrics.timed(timings, "time/optimizer"):
             pass
     assert {"memory/training", "memory/forward_backward", "memory/optimizer"} <= set(timings)
