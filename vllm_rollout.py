@@ -197,15 +197,19 @@ class ColocatedEngine:
         return samples
 
     def close(self):
-        """The engine and vLLM's process groups. It shares torch.distributed's default group and
-        tears it down itself (vLLM's cleanup_dist_env_and_memory): it closes after the last
-        collective."""
-        from vllm.distributed.parallel_state import (destroy_distributed_environment,
-                                                     destroy_model_parallel)
+        close_engine(self.engine)
 
-        self.engine.llm_engine.engine_core.shutdown()
-        destroy_model_parallel()
-        destroy_distributed_environment()
+
+def close_engine(engine):
+    """The engine and vLLM's process groups. It shares torch.distributed's default group and tears
+    it down itself (vLLM's cleanup_dist_env_and_memory): it closes after the last collective, and
+    before the run closes its group (vLLM's exit hook would destroy its groups a second time)."""
+    from vllm.distributed.parallel_state import (destroy_distributed_environment,
+                                                 destroy_model_parallel)
+
+    engine.llm_engine.engine_core.shutdown()
+    destroy_model_parallel()
+    destroy_distributed_environment()
 
 
 def tensor_parallel_group(cfg):
@@ -273,7 +277,7 @@ def vllm_engine(cfg, model_path, device, max_images=0, max_model_len=None):
         options.update(kv_cache_memory_bytes=cfg.vllm_kv_cache_memory_bytes, enforce_eager=True)
     else:
         options["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
-    threads = torch.get_num_threads()
+    threads, engine = torch.get_num_threads(), None
     try:
         engine = LLM(**options)
         # a few tokens now: what the backend cannot run (a head size the CPU attention kernel
@@ -281,6 +285,8 @@ def vllm_engine(cfg, model_path, device, max_images=0, max_model_len=None):
         engine.generate([TokensPrompt(prompt_token_ids=[0] * 8)], SamplingParams(max_tokens=1),
                         use_tqdm=False)
     except (RuntimeError, ValueError, NotImplementedError) as e:
+        if engine is not None:
+            close_engine(engine)
         fail(engine_error(e, cfg, model_path, device))
     torch.set_num_threads(threads)  # an in-process CPU engine pins threads for itself
     return engine
