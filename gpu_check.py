@@ -29,8 +29,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib import metadata
 
 import torch
+from packaging.requirements import Requirement
 
 import bench
 import stack
@@ -96,22 +98,12 @@ def download_wheels(dest, pins):
 def unmet(names):
     """What the installed packages lack for `names` and their own requirements: 'trl: not
     installed', 'pyarrow 19.0.0 (for datasets): needs >=24.0.0'. [] when nothing."""
-    from importlib import metadata
-
-    from packaging.requirements import Requirement
-
-    def version(name):
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return None
-
-    problems = [f"{name}: not installed" for name in names if version(name) is None]
-    for name in [name for name in names if version(name) is not None]:
+    problems = [f"{name}: not installed" for name in names if stack.version(name) is None]
+    for name in [name for name in names if stack.version(name) is not None]:
         for req in map(Requirement, metadata.requires(name) or []):
             if req.marker is not None and not req.marker.evaluate({"extra": ""}):
                 continue  # an extra's, or another platform's
-            have = version(req.name)
+            have = stack.version(req.name)
             if have is None or not req.specifier.contains(have, prereleases=True):
                 problems.append(f"{req.name} {have or 'not installed'} (for {name}): needs "
                                 f"{req.specifier or 'it'}")
