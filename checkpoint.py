@@ -203,13 +203,13 @@ def stop_requested(flag):
     return bool(flag.item())
 
 
-def save_due(cfg, step, saved_step, total_steps, stopped=False):
-    """Every save_steps optimizer steps (a μ-pass step may jump over a multiple), at the end and
-    on a signal; never with --save_strategy no."""
+def save_due(cfg, step, saved_step, last, stopped=False):
+    """Every save_steps optimizer steps (a μ-pass step may jump over a multiple), at the last step
+    (max_steps, or --max_train_minutes ran out) and on a signal; never with --save_strategy no."""
     if cfg.save_strategy == "no":
         return False
     passed = cfg.save_steps > 0 and step // cfg.save_steps > saved_step // cfg.save_steps
-    return stopped or passed or step >= total_steps
+    return stopped or passed or last
 
 
 # the frozen base of a LoRA run is --model's, not ours to save

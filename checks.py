@@ -98,7 +98,10 @@ def check_multi_turn(cfg):
 
 
 def check_eval(cfg):
-    G = cfg.num_generations_eval or cfg.num_generations
+    if cfg.eval_temperature == 0 and (cfg.num_generations_eval or 1) > 1:
+        fail(f"--eval_temperature 0 decodes greedily: the {cfg.num_generations_eval} completions "
+             "of a prompt would be one; drop --num_generations_eval")
+    G = 1 if cfg.eval_temperature == 0 else cfg.num_generations_eval or cfg.num_generations
     if cfg.per_device_eval_batch_size and cfg.per_device_eval_batch_size % G:
         fail(f"per_device_eval_batch_size={cfg.per_device_eval_batch_size} is not a multiple of "
              f"num_generations_eval={G}: a prompt's completions are generated together")
@@ -188,7 +191,8 @@ ONLY_WITH = [
     ("--model and --use_peft", lambda c: c.model is not None and c.use_peft, ["load_in_4bit"]),
     ("--dataset", lambda c: c.dataset is not None, ["dataset_config", "dataset_split"]),
     ("--eval_split or --eval_dataset", lambda c: bool(c.eval_split or c.eval_dataset),
-     ["eval_steps", "per_device_eval_batch_size", "num_generations_eval"]),
+     ["eval_steps", "per_device_eval_batch_size", "num_generations_eval", "eval_on_start",
+      "eval_temperature"]),
     ("--environment or --tools", lambda c: bool(c.environment or c.tools),
      ["max_tool_calls", "environment_timeout", "max_trajectory_length"]),
     ("a KL term (--beta > 0)", lambda c: c.beta > 0, ["kl_estimator"]),

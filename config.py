@@ -168,7 +168,13 @@ class Config:
         "Completions per rank in one evaluation generate call, a multiple of "
         "num_generations_eval (default: the training batch per rank).")
     eval_steps: int = arg(100, at_least(1),
-        "Evaluate every this many optimizer steps when eval_split is set.")
+        "Evaluate every this many optimizer steps when eval_split is set, and after the last.")
+    eval_on_start: bool = arg(False,
+        "Evaluate the starting model too, before the first step (logged at its step).")
+    eval_temperature: float | None = arg(None, at_least(0),
+        "Temperature of evaluation's samples (default: temperature). 0 decodes greedily, one "
+        "completion per prompt: eval_reward is then the held-out accuracy of the model's most "
+        "likely answers (no eval_loss). Training always samples.")
     streaming: bool = arg(False,
         "Stream the dataset instead of downloading it whole (needs max_steps).")
     reward_funcs: list[str] | None = arg(None,
@@ -395,6 +401,10 @@ class Config:
         "num_generations.")
     max_steps: int = arg(-1, STEPS,
         "Optimizer steps to run (-1: num_train_epochs over the dataset).")
+    max_train_minutes: float | None = arg(None, greater_than(0),
+        "Also stop once training (sampling, scoring, updates; not evaluation) has taken this many "
+        "minutes of wall time, ending as at the last step (saved, evaluated, exported). The "
+        "learning-rate schedule still spans max_steps or num_train_epochs.")
     num_train_epochs: float = arg(3.0, greater_than(0),
         "Passes over the prompts, when max_steps is -1.")
     seed: int = arg(42, between(0, 2**32 - 1),

@@ -1,11 +1,14 @@
 """Evaluation: G completions for every prompt of each eval set (--eval_split, --eval_dataset),
-scored like training's, with TRL's metric names prefixed eval_ (one set) or eval_<name>_.
+scored like training's, with TRL's metric names prefixed eval_ (one set) or eval_<name>_; and the
+training clock (--max_train_minutes), which evaluation does not advance.
 
 The generator is our decode loop over the policy's live weights, with num_generations_eval
-completions per prompt; nothing here changes the model.
+completions per prompt (one, greedy, at --eval_temperature 0); nothing here changes the model.
 """
 
 import dataclasses
+import time
+from contextlib import contextmanager
 
 import torch
 
@@ -18,10 +21,34 @@ from metrics import generation_metrics, logged_metrics
 from rloo import combine_rewards, estimate_advantages, rloo_loss
 
 
+@dataclasses.dataclass
+class Clock:
+    """Training's wall time: since the loop started, less what evaluation took (paused)."""
+    limit: float | None  # seconds (--max_train_minutes), None: no limit
+    start: float = dataclasses.field(default_factory=time.perf_counter)
+    paused_for: float = 0.0
+
+    def seconds(self):
+        return time.perf_counter() - self.start - self.paused_for
+
+    def out_of_time(self):
+        return self.limit is not None and self.seconds() >= self.limit
+
+    @contextmanager
+    def paused(self):
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_for += time.perf_counter() - began
+
+
 def eval_config(cfg):
     """Evaluation's settings: num_generations_eval completions per prompt (default
-    num_generations)."""
-    return dataclasses.replace(cfg, num_generations=cfg.num_generations_eval or cfg.num_generations)
+    num_generations) at eval_temperature (default temperature; 0: greedy, one per prompt)."""
+    temperature = cfg.temperature if cfg.eval_temperature is None else cfg.eval_temperature
+    G = 1 if temperature == 0 else cfg.num_generations_eval or cfg.num_generations
+    return dataclasses.replace(cfg, num_generations=G, temperature=temperature)
 
 
 @torch.no_grad()
@@ -54,34 +81,45 @@ def evaluate_set(cfg, generator, dataset, rewards, model, step):
         for k, values in batch.logged_metrics.items():
             logged.setdefault(k, []).extend(values)
         valid = torch.tensor(prompting.repeat_each([i < n for i in index], G)).float()
-        shaped = combine_rewards(rewards_per_func, weights.to(valid.device), cfg.reward_clip_range)
-        advantages = estimate_advantages(shaped, G, cfg.advantage_estimator)  # [B]
-        advantages = advantages * valid.to(shaped.device)
-        unmoved = torch.zeros_like(advantages)  # s = s_old
-        loss = rloo_loss(unmoved, unmoved, advantages, cfg.epsilon, cfg.epsilon, 1)[0]
-        aux = torch.tensor(0.0)
-        if aux_coef:  # the mean over training-sized micro-batches
-            mbs = forward.micro_batches(len(advantages), cfg.per_device_train_batch_size)
-            aux = sum(forward.forward_logps(model, batch, mb, cfg.temperature, router_aux=True)[3]
-                      for mb in mbs) / len(mbs)
-            forward.released(model)
         chunks.append({"rewards_per_func": rewards_per_func.T,
                        "lengths": batch.model_tokens().sum(-1).float(),
                        "truncated": batch.truncated.float(), "valid": valid,
-                       "loss": loss.reshape(1), "aux_loss": aux.reshape(1).float().cpu()})
+                       **(unmoved_loss(cfg, batch, rewards_per_func, weights, valid, model)
+                          if G > 1 else {})})
     columns = distributed.gather({k: torch.cat([c[k] for c in chunks], -1).to(valid.device)
                                   for k in chunks[0]})
     keep = columns.pop("valid") > 0  # drop the wrapped duplicates (whole groups)
-    loss, aux = columns.pop("loss"), columns.pop("aux_loss")
+    loss, aux = columns.pop("loss", None), columns.pop("aux_loss", None)
     columns = {k: v[..., keep] for k, v in columns.items()}
     columns["rewards_per_func"] = columns["rewards_per_func"].T  # [completions, K]
     columns["rewards"] = combine_rewards(columns["rewards_per_func"], weights.to(keep.device),
                                          cfg.reward_clip_range)
     metrics = generation_metrics(columns, rewards.names, weights.to(keep.device), G)
+    if G == 1:  # greedy: no group, so no zero-std groups and no leave-one-out loss
+        del metrics["frac_reward_zero_std"]
+        return {**metrics, **logged_metrics(logged)}
     metrics["loss"] = (loss.sum() / keep.sum() + aux_coef * aux.mean()).item()
     if aux_coef:
         metrics["aux_loss"] = aux.mean().item()
     return {**metrics, **logged_metrics(logged)}
+
+
+def unmoved_loss(cfg, batch, rewards_per_func, weights, valid, model):
+    """TRL's eval_loss of one chunk: the loss at rho = 1 (s = s_old) of its leave-one-out
+    advantages, and a MoE model's auxiliary loss, the mean over training-sized micro-batches."""
+    G, aux_coef = cfg.num_generations, models.router_aux_coef(cfg, model)
+    shaped = combine_rewards(rewards_per_func, weights.to(valid.device), cfg.reward_clip_range)
+    advantages = estimate_advantages(shaped, G, cfg.advantage_estimator)  # [B]
+    advantages = advantages * valid.to(shaped.device)
+    unmoved = torch.zeros_like(advantages)  # s = s_old
+    loss = rloo_loss(unmoved, unmoved, advantages, cfg.epsilon, cfg.epsilon, 1)[0]
+    aux = torch.tensor(0.0)
+    if aux_coef:
+        mbs = forward.micro_batches(len(advantages), cfg.per_device_train_batch_size)
+        aux = sum(forward.forward_logps(model, batch, mb, cfg.temperature, router_aux=True)[3]
+                  for mb in mbs) / len(mbs)
+        forward.released(model)
+    return {"loss": loss.reshape(1), "aux_loss": aux.reshape(1).float().cpu()}
 
 
 def eval_prompts_per_rank(cfg):

@@ -384,10 +384,10 @@ class Logger:
         for key, value in metrics.items():
             self.window.setdefault(key, []).append(value)
 
-    def log_if_due(self, step, **totals):
-        """Every logging_steps steps and at the last: log the window (see log). Returns whether it
-        did."""
-        if step % self.logging_steps and step != self.total_steps:
+    def log_if_due(self, step, last=False, **totals):
+        """Every logging_steps steps and at the last (last: the run ends here, before
+        total_steps): log the window (see log). Returns whether it did."""
+        if step % self.logging_steps and step != self.total_steps and not last:
             return False
         self.log(step, **totals)
         return True

@@ -24,7 +24,7 @@ from forward import micro_batches
 from prompting import (eos_token_ids, image_token_ids, pad, pixel_inputs_for, prompt_tensors,
                      row_images, tokenize_prompts)
 from sampler_rules import sampling_filter
-from sampler import inverse_cdf, row_keys, row_uniforms, sampling_processors, with_bad_word_ids
+from sampler import draw, row_keys, sampling_processors, with_bad_word_ids
 
 
 class DecodeLoop:
@@ -356,11 +356,9 @@ def decode(model, prompt_ids, prompt_mask, cfg, eos_ids, pad_id, keys, static=No
         for process in processors:
             scores = process(ids[:, :L + t], scores)
         # an exact draw at one uniform per (row, step): no [B, V] noise, 4 passes over [B, V]
-        probs = torch.softmax(scores, -1)  # [B, V]
-        token = inverse_cdf(probs, row_uniforms(keys, t))  # [B]
-        token = token.masked_fill(ended, pad_id)
+        token = draw(scores, keys, t, greedy=cfg.temperature == 0).masked_fill(ended, pad_id)
         # --replay_sampling_mask: log pi_T over the kept set (the filters are the last processors)
-        log_pi = torch.log_softmax(scores if replay else logits / cfg.temperature, -1)
+        log_pi = torch.log_softmax(scores if replay else logits / (cfg.temperature or 1.0), -1)
         logps[:, t] = log_pi.gather(-1, token[:, None])[:, 0]
         ids[:, L + t], own = token, ~ended  # the EOS is the row's own token, what follows is not
         ended |= torch.isin(token, eos)
@@ -489,11 +487,11 @@ def generate_hf(model, inputs, cfg, eos_ids, pad_id, suppress):
     (Qwen2-VL's 3-D rotary offsets), on the processor's inputs. Image placeholders are suppressed
     before log pi_T is recorded: the policy is the model without them, in training too. The model's
     shipped generation config is swapped for a bare one for the call."""
-    record = RecordLogps(cfg.temperature)
+    record = RecordLogps(cfg.temperature or 1.0)  # 0: evaluation's greedy decode
     shipped_config = model.generation_config
     model.generation_config = GenerationConfig(
-        do_sample=True, max_new_tokens=cfg.max_completion_length, top_k=0, eos_token_id=eos_ids,
-        pad_token_id=pad_id)
+        do_sample=cfg.temperature > 0, max_new_tokens=cfg.max_completion_length, top_k=0,
+        eos_token_id=eos_ids, pad_token_id=pad_id)
     try:
         processors = [SuppressTokensLogitsProcessor(suppress), record]
         processors += sampling_processors(cfg, inputs["input_ids"], eos_ids)

@@ -40,7 +40,7 @@ def sampling_processors(cfg, prompt_ids, eos_ids):
                                                extra.get("frequency_penalty", 0.0)))
     if cfg.repetition_penalty != 1.0:
         processors.append(RepetitionPenaltyLogitsProcessor(cfg.repetition_penalty))
-    if cfg.temperature != 1.0:
+    if cfg.temperature not in (0.0, 1.0):  # 0: evaluation's greedy decoding (draw)
         processors.append(TemperatureLogitsWarper(cfg.temperature))
     if sampling_filter(cfg):  # vLLM's filters, which the training forward replays exactly
         processors.append(replayed_filters(*sampling_filter(cfg)))
@@ -175,6 +175,14 @@ def row_uniforms(keys, t):
     step = ((t + 1) * GOLDEN + 2**63) % 2**64 - 2**63  # (t + 1) * GOLDEN, wrapped as int64's
     bits = splitmix(keys + step)  # [B] the splitmix64 stream of each row's key
     return ((bits >> 11) & (2**53 - 1)).double().mul_(2.0**-53)
+
+
+def draw(scores, keys, t, greedy=False):
+    """Each row's next token [B]: an exact sample of softmax(scores) at the row's uniform of step t,
+    or, greedy (evaluation at --eval_temperature 0), its most likely token."""
+    if greedy:
+        return scores.argmax(-1)
+    return inverse_cdf(torch.softmax(scores, -1), row_uniforms(keys, t))  # [B, V] -> [B]
 
 
 def inverse_cdf(probs, uniforms):

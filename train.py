@@ -57,7 +57,7 @@ from batches import BatchSource  # noqa: E402
 from checks import check_config  # noqa: E402
 from config import EMBEDDED_PRESET, Config, Failed, fail, parse_config  # noqa: E402, F401
 from config import generation_steps  # noqa: E402
-from evaluation import eval_config, evaluate  # noqa: E402
+from evaluation import Clock, eval_config, evaluate  # noqa: E402
 from health import RunHealth  # noqa: E402
 from metrics import (Logger, announce, batch_metrics, completions_table,  # noqa: E402
                      sampling_sums, show_samples, step_metrics, timed)
@@ -428,7 +428,11 @@ def train(r):
     """The loop: sample -> score -> update, then log and checkpoint; the end. -> Result"""
     cfg, model, rewards, logger = r.cfg, r.model, r.rewards, r.logger
     step, num_tokens, saved_step, stopped = r.state.step, r.state.num_tokens, r.state.step, False
-    while step < r.total_steps and not stopped:
+    clock, last = Clock(cfg.max_train_minutes and 60 * cfg.max_train_minutes), False
+    if r.eval_sets and cfg.eval_on_start:
+        with clock.paused():
+            logger.write(step, evaluate(cfg, r.eval_generator, r.eval_sets, rewards, model, step))
+    while step < r.total_steps and not (stopped or last):
         timings = {}
         # ======== 1. Sample: G completions for each of this rank's P prompts ========
         with timed(timings, "time/generation"):
@@ -444,21 +448,23 @@ def train(r):
         for i, (sums, grad_norm, timings) in enumerate(update(cfg, model, r.optimizer, r.scheduler,
                                                               batch, scores)):
             step += 1
+            last = step >= r.total_steps or clock.out_of_time()  # --max_train_minutes
             models.sync_reference(cfg, model, r.ref_model, step)  # TR-DPO, with --sync_ref_model
             logger.add_step({**(sampled if i == 0 else {}),
                              **step_metrics(sums, grad_norm, r.scheduler, timings, batch_tokens)})
-            if logger.log_if_due(step, num_tokens=num_tokens) and cfg.log_completions:
+            if logger.log_if_due(step, last, num_tokens=num_tokens) and cfg.log_completions:
                 logger.completions(step, *completions_table(step, batch, scores, rewards,
                                                             cfg.log_multimodal))
-            if r.eval_sets and step % cfg.eval_steps == 0:
-                evaluated = evaluate(cfg, r.eval_generator, r.eval_sets, rewards, model, step)
+            if r.eval_sets and (step % cfg.eval_steps == 0 or last):
+                with clock.paused():
+                    evaluated = evaluate(cfg, r.eval_generator, r.eval_sets, rewards, model, step)
                 logger.write(step, evaluated)
             r.health.stepped(grad_norm)
-            if step >= r.total_steps:
+            if last:
                 break
         # ======== checkpoint: every save_steps, at the end, on SIGTERM or Ctrl-C ========
         stopped = checkpoint.stop_requested(r.stop_signal)
-        if checkpoint.save_due(cfg, step, saved_step, r.total_steps, stopped):
+        if checkpoint.save_due(cfg, step, saved_step, last, stopped):
             saved = checkpoint.TrainerState(step, num_tokens, logger.window, **r.source.state())
             checkpoint.save_checkpoint(cfg, model, r.optimizer, r.scheduler, saved, r.vision,
                                        r.ref_model)
