@@ -26,7 +26,16 @@ from prompting import (eos_token_ids, image_token_ids, pad, pixel_inputs_for, pr
 from rollout import finish
 from sampler import with_bad_word_ids
 from sampler_rules import sampler_logps_exact, sampling_filter, vllm_logprobs_mode, weights_dtype
+import vllm_server
 from vllm_server import ServerEngine, per_prompt_seed
+
+
+def before_models(cfg):
+    """A vLLM server answers its health check before this run loads a model: vLLM sizes its KV
+    cache from the device memory in use when it starts, the trainer's included, so on a GPU both
+    share (launch.sh on one GPU) the server comes first and the trainer takes what it left."""
+    if cfg.use_vllm and cfg.vllm_mode == "server":
+        vllm_server.wait_for_server(vllm_server.server_url(cfg), cfg.vllm_server_timeout)
 
 
 def make_generator(cfg, model, tokenizer, processor, device, max_images=0, max_model_len=None):
