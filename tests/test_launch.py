@@ -304,3 +304,27 @@ def test_policy_weights_drive_vllms_own_nccl_transfer_engine(tmp_path, release):
                                           ["update", 0 if new_api else n], "finish"]
     for sent in report["rounds"]:
         assert sent["names"] == sent["expected"] and sent["max_diff"] == 0.0
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("release", ["installed", "0.33.0", "0.34.0"])
+def test_a_colocated_engines_options_and_memory_errors_are_each_releases(tmp_path, release):
+    """On a GPU, with sleep mode: the release's own EngineArgs takes every option chosen; vLLM 0.34's extensible KV
+    cache (on by default) is off, since it caps what PyTorch may hold in the whole process, here the trainer's, and
+    sleep frees pages without lifting the cap; and the release's own errors for a device short of memory, at
+    start-up, when sizing the KV cache, and PyTorch's, each say memory (the KV cache's sizing read "vLLM cannot run
+    the model"), while an unsupported model still says so."""
+    path = vllm_release(release)
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "vllm_release_worker.py"),
+                           str(tmp_path / "report.json")], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": path})
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    options, lines = report["options"], report["lines"]
+    assert options["enable_sleep_mode"] and options["gpu_memory_utilization"] == 0.3
+    assert options.get("enable_extensible_kv_cache", "absent") == (False if report["vllm"] >= "0.34" else "absent")
+    for name in ("start-up", "no KV cache", "torch"):
+        assert lines[name].startswith("vLLM wants --vllm_gpu_memory_utilization=0.3 of the GPU's memory but "
+                                      "training already holds too much of it"), (name, lines[name])
+    assert "pass --vllm_max_model_length" in lines["one sequence"]
+    assert lines["unsupported"].startswith("vLLM cannot run 'some/model' on cuda: Unsupported head size: 16")
