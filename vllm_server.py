@@ -102,6 +102,7 @@ class Server:
 
     def __init__(self, url, timeout):
         self.url, self.timeout, self.unanswered = url.rstrip("/"), timeout, False
+        self.model = None  # /v1/models' entry, asked once (served_model)
 
     def get(self, path):
         return self.request(path)
@@ -162,8 +163,8 @@ class Lease:
             other = lease_holder(version)
             fail(f"the vLLM server at {self.server.url} was taken over by another run "
                  f"({describe(other) if other else 'weight version ' + repr(version)}) while "
-                 "this run sampled from it, so these samples may be of that run's weights: a "
-                 "server serves one run at a time. Give each run a server of its own")
+                 "this run used it, so its samples may be of that run's weights: a server "
+                 "serves one run at a time. Give each run a server of its own")
 
     def release(self):
         if distributed.is_main() and not self.server.unanswered:
@@ -284,7 +285,7 @@ class Unanswered(Failed):
     """A request the server did not answer in time, or a server not there: one line naming it."""
 
 
-def http(url, payload=None, timeout=None, retries=2):
+def http(url, payload, timeout, retries=2):
     """JSON POST (or GET without payload), all of it (connecting, retries, the answer) within
     `timeout` seconds. A refused connection is retried while time is left; a server that accepts
     and does not answer (stopped, overloaded) is not: one line naming it. With VLLM_API_KEY set
@@ -327,7 +328,7 @@ def wait_for_server(base_url, timeout):
     deadline = time.monotonic() + timeout
     while True:
         try:
-            http(base_url + "/health", timeout=min(5.0, timeout), retries=0)
+            http(base_url + "/health", None, min(5.0, timeout), retries=0)
             return
         except Failed as e:
             if time.monotonic() > deadline:
@@ -389,7 +390,7 @@ def server_chat(server, conversations, images, sampling, chat_template_kwargs):
 def served_model(server):
     """The model the server serves, as /v1/models names it: id (the name requests give) and root
     (where `vllm serve` loaded it from; a file push does not change it). Asked once."""
-    if not hasattr(server, "model"):
+    if server.model is None:
         server.model = server.get("/v1/models")["data"][0]
     return server.model
 

@@ -117,7 +117,7 @@ def test_a_server_belongs_to_one_run_at_a_time(tmp_path, chat_model_dir, server)
         assert first.returncode != 0
         line = one_line(stderr)
         assert f"the vLLM server at {server.url} was taken over by another run (output_dir /elsewhere, pid 1 on " \
-               "node-7, 3 pushes) while this run sampled from it" in line, line
+               "node-7, 3 pushes) while this run used it" in line, line
     finally:
         first.kill()
         first.wait()
