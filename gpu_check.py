@@ -1,16 +1,22 @@
 """The one-GPU check, prepared for the first GPU a task is lent: the embedded default must learn on
-the device, then bench.py's gpu config (a Qwen2.5-0.5B shape, bf16, G=8, 32 prompts, 128 tokens)
-runs as full fine-tuning, LoRA, checkpointing + packed rows, and TRL. Each run passes only when its
-claims hold (it learns, the path it says it took, a memory bound), not by its exit code.
+the device; bench.py's gpu config (a Qwen2.5-0.5B shape, bf16, G=8, 32 prompts, 128 tokens) runs as
+full fine-tuning, LoRA, checkpointing + packed rows, and TRL; then the paths most likely to break,
+each a short run of its own: --compile_decode, a checkpoint saved and resumed, vLLM colocated (with
+sleep mode on a GPU), a vLLM server on the same GPU (launch.sh: the weights over CUDA IPC), and two
+processes over NCCL. Each run passes only when its claims hold (it learns, the precision the device
+computed in, the path it took, a memory or speed bound, what a resume gives), not by its exit code;
+a run whose needs this machine lacks (vLLM, a second GPU) is reported not run, with why.
 
     python gpu_check.py --report gpu.jsonl      # on one GPU
     python gpu_check.py --tiny --steps 4        # a tiny model and batch: the check itself, on a CPU
+    python gpu_check.py --only compile resume   # these runs again (and the ones they need)
 
-It fits the device's 15-minute lease: its estimate (gpu_estimate, a token count at assumed H200
-rates, not measured), printed first, is under 6 minutes (a test checks); the model is built once
-for every run; each run is a process with a timeout; --report gets one JSON line per run as it
-ends, the first (the plan) with the versions, the device and how each figure is measured. The GPU
-machine (Python 3.12, no network) lacks datasets and TRL; here, then there:
+It fits the device's 15-minute lease: its estimate per run (estimates, token counts at assumed H200
+rates, not measured), printed first, is under 7 minutes in all for a one-GPU machine without vLLM
+(a test checks); the model is built once for every run; each run is a process with a timeout;
+--report gets one JSON line per run as it ends, the first (the plan) with the versions, the
+device and how each figure is measured; each claim is one verdict line (PASS, FAIL, NOT RUN). The
+GPU machine (Python 3.12, no network) lacks datasets and TRL; here, then there:
 
     python gpu_check.py --wheels .whl  # GPU_WHEELS; the image has their other requirements
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
@@ -21,14 +27,20 @@ pyarrow>=24; should the image's be older: --wheels .whl pyarrow==26.0.1, a 55 MB
 """
 
 import argparse
+import importlib.util
 import json
+import math
 import os
+import re
 import shutil
 import signal
+import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from importlib import metadata
 
 import torch
@@ -38,15 +50,40 @@ import bench
 import stack
 from config import EMBEDDED_PRESET
 
-BENCH_PY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench.py")
+HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH_PY, TRAIN_PY = os.path.join(HERE, "bench.py"), os.path.join(HERE, "train.py")
 
-# the runs after the embedded default: name -> bench.py flags (each in a fresh process,
-# so that peak memory is its own)
-GPU_VARIANTS = {"full": [], "lora": ["--use_peft"],
-                # the users' default checkpointing, with packed rows: a layer recomputed in backward
-                # goes through the varlen attention again (FlashAttention's kernel on the GPU)
-                "packed": ["--gradient_checkpointing", "true", "--padding_free"],
-                "trl": ["--trainer", "trl"]}
+
+@dataclass
+class Variant:
+    """One run after the embedded default. kind: "bench" (bench.py on the gpu config's model),
+    "train" (train.py on the embedded task), "launch" (launch.sh: a vLLM server and the trainer on
+    the gpu config's model). needs: "gpu", "vllm", "2 gpus" (unmet: not run). steps: a train run's
+    (None: the flags say). extra_s: seconds beyond the assumed rates (compilation, an engine's
+    start-up)."""
+    kind: str
+    flags: list = field(default_factory=list)
+    needs: tuple = ()
+    steps: int = None
+    extra_s: float = 0.0
+
+
+PATH_STEPS = 10  # a path run's steps: enough for 3 warm-up steps and a median of the rest
+VARIANTS = {
+    "full": Variant("bench"),
+    "lora": Variant("bench", ["--use_peft"]),
+    # the users' default checkpointing, with packed rows: a layer recomputed in backward goes
+    # through the varlen attention again (FlashAttention's kernel on the GPU)
+    "packed": Variant("bench", ["--gradient_checkpointing", "true", "--padding_free"]),
+    "trl": Variant("bench", ["--trainer", "trl"]),
+    # the embedded default compiled (fp32, no FSDP2: CUDA graphs on a GPU), against its eager run
+    "compile": Variant("train", ["--compile_decode"], steps=PATH_STEPS, extra_s=40),
+    # the embedded run's last steps again, from the checkpoint it saved PATH_STEPS steps earlier
+    "resume": Variant("train", steps=PATH_STEPS),
+    "vllm_colocate": Variant("train", ["--use_vllm"], ("vllm",), PATH_STEPS, extra_s=60),
+    "vllm_server": Variant("launch", needs=("vllm", "gpu"), steps=PATH_STEPS, extra_s=90),
+    "nccl": Variant("train", ["--bf16", "true"], ("2 gpus",), PATH_STEPS, extra_s=10),
+}
 # What the estimate assumes on one H200; none of it is measured on a GPU yet. Decoding is eager (no
 # --compile_decode): a decode step of the 24-layer model costs ~32 ms of Python and kernel launches
 # whatever the batch, so 8,000 tokens/s at the gpu config's 256 sequences. The training passes
@@ -58,22 +95,55 @@ H200 = dict(generated_tokens_per_s=8000, trained_tokens_per_s=25000, process_s=2
             embedded_step_s=0.1, build_s=20)
 PROMPT_TOKENS = 5  # the copy task's prompt, "4172=": one token per character
 TIMEOUT_FACTOR = 3  # a run's timeout on a GPU, times its estimate (elsewhere: --deadline only)
+SERVER_BATCH = 64  # the vllm_server run's completions a step (G=8), of the gpu config's length
 
 
-def gpu_estimate(c, steps, tiny=False, rates=H200):
-    """Seconds the gpu suite takes on one H200 by its own token count, at the assumed rates. A
-    random model almost never samples EOS (1 of 151,936 tokens), so every completion runs to
-    max_completion_length: a variant generates steps x batch x max_completion_length tokens and
-    trains on steps x batch x (prompt + completion)."""
-    generated = steps * c["batch"] * c["max_completion_length"]
-    trained = steps * c["batch"] * (PROMPT_TOKENS + c["max_completion_length"])
-    variant_s = (generated / rates["generated_tokens_per_s"]
-                 + trained / rates["trained_tokens_per_s"] + rates["process_s"])
-    embedded_steps = 40 if tiny else EMBEDDED_PRESET["max_steps"]
-    embedded_s = embedded_steps * rates["embedded_step_s"] + rates["process_s"]
-    total_s = rates["build_s"] + embedded_s + len(GPU_VARIANTS) * variant_s
-    return dict(generated_tokens_per_variant=generated, trained_tokens_per_variant=trained,
-                variant_s=variant_s, embedded_s=embedded_s, total_s=total_s, assumed=rates)
+def estimates(c, steps, tiny=False, rates=H200):
+    """Seconds each run takes on one H200 by its own token count, at the assumed rates. A random
+    model almost never samples EOS (1 of 151,936 tokens), so every completion runs to
+    max_completion_length: a bench run generates steps x batch x max_completion_length tokens and
+    trains on steps x batch x (prompt + completion). -> {run: seconds}"""
+    def tokens_s(steps, batch):
+        return (steps * batch * c["max_completion_length"] / rates["generated_tokens_per_s"]
+                + steps * batch * (PROMPT_TOKENS + c["max_completion_length"])
+                / rates["trained_tokens_per_s"] + rates["process_s"])
+
+    found = {"model": rates["build_s"], "embedded": embedded_steps(tiny) * rates["embedded_step_s"]
+             + rates["process_s"]}
+    for name, v in VARIANTS.items():
+        if v.kind == "bench":
+            found[name] = tokens_s(steps, c["batch"])
+        elif v.kind == "launch":
+            found[name] = tokens_s(v.steps, SERVER_BATCH) + v.extra_s
+        else:
+            found[name] = v.steps * rates["embedded_step_s"] + rates["process_s"] + v.extra_s
+    return found
+
+
+def gpu_estimate(c, steps, tiny=False, rates=H200, gpus=1, vllm=False):
+    """The estimates, and their total over the runs a machine of `gpus` GPUs, with vLLM or
+    without, runs; the tokens a bench run generates."""
+    each = estimates(c, steps, tiny, rates)
+    runs = [name for name in each if name not in VARIANTS or not needs_unmet(
+        VARIANTS[name], gpus, vllm)]
+    return dict(each_s=each, total_s=sum(each[name] for name in runs), runs=runs, assumed=rates,
+                generated_tokens_per_variant=steps * c["batch"] * c["max_completion_length"])
+
+
+def embedded_steps(tiny):
+    return 40 if tiny else EMBEDDED_PRESET["max_steps"]
+
+
+def needs_unmet(variant, gpus, vllm):
+    """Why this machine cannot run the variant, or None."""
+    for need in variant.needs:
+        if need == "vllm" and not vllm:
+            return "needs vLLM, not installed here"
+        if need == "gpu" and gpus < 1:
+            return "needs a GPU"
+        if need == "2 gpus" and gpus < 2:
+            return f"needs 2 GPUs, this machine has {gpus}"
+    return None
 
 
 # The GPU machine's Python 3.12 has torch, transformers, peft and GPU_IMAGE, not datasets or TRL:
@@ -113,16 +183,18 @@ def unmet(names):
 def suite(args, c, steps, extra):
     """The prepared one-GPU check: the packages first (seconds, not minutes, when one is missing),
     then the model, built once for every run, then `python train.py` (the embedded default must
-    learn on the device) and each variant of the gpu config: each a process with a timeout,
-    reported as it ends. Prints one table at the end. -> whether every run passed (it ran, and its
-    claims held)."""
-    estimate = gpu_estimate(c, steps, args.tiny)
+    learn on the device), each variant of the gpu config and each path run: each a process with a
+    timeout, reported as it ends, its claims one verdict line each. Prints one table at the end.
+    -> whether every run that ran passed (it ran, and its claims held)."""
+    gpus, vllm = torch.cuda.device_count(), importlib.util.find_spec("vllm") is not None
+    estimate = gpu_estimate(c, steps, args.tiny, gpus=gpus, vllm=vllm)
     print(f"estimate on one H200 at assumed rates (H200 in gpu_check.py; not measured): "
-          f"{estimate['generated_tokens_per_variant']:,} tokens generated per variant, "
-          f"{estimate['total_s']:.0f} s = {estimate['total_s'] / 60:.1f} min in all", flush=True)
+          f"{estimate['total_s']:.0f} s = {estimate['total_s'] / 60:.1f} min for the runs this "
+          "machine runs; per run: " + ", ".join(f"{name} {s:.0f} s" for name, s in
+                                                 estimate["each_s"].items()), flush=True)
     if args.report:
         open(args.report, "w").close()  # one line per run, appended as each ends
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    device = torch.cuda.get_device_name() if gpus else "cpu"
     missing = unmet(GPU_IMPORTS)
     report_line(args.report, "plan", device=device, versions=stack.versions(), config=c,
                 steps=steps, estimate=estimate, missing=missing, methods=METHODS)
@@ -130,29 +202,66 @@ def suite(args, c, steps, extra):
         print("carry wheels for what is missing (gpu_check.py's docstring)", flush=True)
         return False
     work = tempfile.mkdtemp(prefix="rloo-gpu-check-")
-    model, embedded = os.path.join(work, "model"), os.path.join(work, "embedded")
-    tiny, deadline = ["--tiny"] if args.tiny else [], time.monotonic() + args.deadline
-    train_py = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
     try:
-        start = time.perf_counter()
-        bench.build_model(model, c["model"])  # once, for every run
-        report_line(args.report, "model", seconds=round(time.perf_counter() - start, 1))
-        # the embedded default on this device (tiny: 40 steps, too few to learn; it shows it runs)
-        cmd = [sys.executable, train_py, "--output_dir", embedded, "--logging_steps", "1",
-               *(["--max_steps", "40"] if args.tiny else [])]
-        results = {}
-        results["embedded"] = gpu_run(args, "embedded", cmd, lambda: reward_curve(embedded),
-                                      estimate["embedded_s"], deadline, results)
-        for name, flags in GPU_VARIANTS.items():
-            report = os.path.join(work, f"{name}.json")
-            cmd = [sys.executable, BENCH_PY, "--config", "gpu", "--model_dir", model, "--steps",
-                   str(steps), "--report", report, *tiny, *flags, *extra]
-            results[name] = gpu_run(args, name, cmd, lambda: read_json(report),
-                                    estimate["variant_s"], deadline, results)
+        results = run_all(args, c, steps, extra, work, estimate["each_s"], (gpus, vllm))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print_table(results)
-    return all(row["passed"] for row in results.values())  # a run that fails a claim failed
+    return all(row.get("passed", True) for row in results.values())  # a failed claim fails it
+
+
+def run_all(args, c, steps, extra, work, each_s, machine):
+    """The embedded run and every variant (or --only's), in order. -> {run: its report line}"""
+    model, embedded = os.path.join(work, "model"), os.path.join(work, "embedded")
+    deadline, results = time.monotonic() + args.deadline, {}
+    start = time.perf_counter()
+    bench.build_model(model, c["model"])  # once, for every run
+    report_line(args.report, "model", seconds=round(time.perf_counter() - start, 1))
+    checkpoint = embedded_steps(args.tiny) - PATH_STEPS  # the resume run's start
+    cmd = [sys.executable, TRAIN_PY, "--output_dir", embedded, "--logging_steps", "1",
+           "--save_steps", str(checkpoint), *(["--max_steps", "40"] if args.tiny else [])]
+    wanted = set(args.only or ["embedded", *VARIANTS]) | {"embedded"}  # the others' reference
+    results["embedded"] = gpu_run(args, "embedded", cmd, lambda out: train_row(embedded, out),
+                                  each_s["embedded"], deadline, results)
+    for name, variant in VARIANTS.items():
+        why = needs_unmet(variant, *machine) if name in wanted else "not asked for (--only)"
+        if why:
+            results[name] = report_line(args.report, name, not_run=why)
+            print(f"NOT RUN {name}: {why}", flush=True)
+            continue
+        out = os.path.join(work, name)
+        cmd, env, read = variant_command(args, name, variant, c, steps, extra, model, out)
+        if name == "resume":
+            cmd += ["--resume_from_checkpoint", os.path.join(embedded, f"checkpoint-{checkpoint}")]
+        results[name] = gpu_run(args, name, cmd, read, each_s[name], deadline, results, env)
+    return results
+
+
+def variant_command(args, name, variant, c, steps, extra, model, out):
+    """A variant's command, environment and reader of its numbers (given its output)."""
+    tiny = ["--tiny"] if args.tiny else []
+    if variant.kind == "bench":
+        report = out + ".json"
+        cmd = [sys.executable, BENCH_PY, "--config", "gpu", "--model_dir", model, "--steps",
+               str(steps), "--report", report, *tiny, *variant.flags, *extra]
+        return cmd, None, lambda output: read_json(report)
+    last = embedded_steps(args.tiny) if name == "resume" else variant.steps  # resume: the same
+    flags = [*variant.flags, "--output_dir", out, "--logging_steps", "1", "--max_steps", str(last)]
+    if name == "vllm_colocate" and torch.cuda.is_available():
+        flags.append("--vllm_enable_sleep_mode")  # vLLM's CPU backend has no sleep mode
+    if variant.kind == "train":
+        launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                     "--nproc_per_node=2"] if name == "nccl" else [sys.executable])
+        return launcher + [TRAIN_PY, *flags], None, lambda output: train_row(out, output)
+    batch = SERVER_BATCH // c["num_generations"] if args.tiny else SERVER_BATCH
+    cmd = ["bash", os.path.join(HERE, "launch.sh"), "--model", model, "--dataset",
+           os.path.join(model, "data.jsonl"), "--reward_funcs", "task_reward", "--bf16", "true",
+           "--num_generations", str(c["num_generations"]), "--per_device_train_batch_size",
+           str(batch), "--max_completion_length", str(c["max_completion_length"]),
+           "--save_strategy", "no", *flags]
+    env = {**os.environ, "VLLM_SERVER_MODEL": model, "VLLM_SERVER_PORT": str(free_port()),
+           "NPROC_PER_NODE": "1"}
+    return cmd, env, lambda output: train_row(out, output)
 
 
 # How each figure of the gpu suite is measured, stated in its report (the plan line)
@@ -166,31 +275,45 @@ METHODS = {
                 "nothing reset: torch.cuda.max_memory_allocated on a GPU, VmHWM on a CPU "
                 "(metrics.run_peak), for both trainers",
     "tokens_per_second/generation": "completion tokens per step over the median time/generation",
+    "computed_dtypes": "the dtypes of the Linear layers' outputs over the first step (a global "
+                       "forward hook, bench.compute_dtypes), for both trainers",
     "first_tenth_reward, last_tenth_reward": "mean reward over the first and the last tenth of the "
                                              "steps",
+    "paths": "bench: train.Result.paths; a train.py run: its 'rloo: path:' lines",
 }
 
 
 def claims(name, row, results, tiny):
-    """What a run of the gpu suite claims, each with whether it held: [{claim, held, measured}]. A
-    claim on learning needs the full embedded run (not --tiny's 40 steps); the memory claims, a GPU
-    (a CPU's resident set is mostly the interpreter and the libraries)."""
-    gpu, paths, found = torch.cuda.is_available(), row.get("paths", {}), []
+    """What a run of the gpu suite claims, each with whether it held: [{claim, held, measured}].
+    Each can fail (tests feed each a failing row). A claim on learning needs the full embedded run
+    (not --tiny's 40 steps); the memory and speed claims, a GPU (a CPU's resident set is mostly
+    the interpreter and the libraries, and its speed is not the GPU's)."""
+    found = []
 
     def claim(text, held, measured):
         found.append({"claim": text, "held": bool(held), "measured": measured})
 
+    claim("finite loss, reward and gradient norm at every step", row.get("finite"),
+          row.get("finite"))
     if name == "embedded" and not tiny:
         first, last = row.get("first_tenth_reward", 0.0), row.get("last_tenth_reward", 0.0)
         claim("learns: last tenth's reward >= 0.8 and >= 3x the first tenth's", last >= 0.8 and
               last >= 3 * first, f"{first:.3f} -> {last:.3f}")
-    if name in GPU_VARIANTS:
-        claim("finite loss, reward and gradient norm at every step", row.get("finite"),
-              row.get("finite"))
-    if name in ("full", "lora", "packed"):
-        claim("bf16 compute", paths.get("precision") == "bf16", paths.get("precision"))
-        claim("the decode loop's KV cache grows in place", paths.get("KV cache") == "KVBuffer",
-              paths.get("KV cache"))
+    if VARIANTS.get(name, Variant("")).kind == "bench":
+        bench_claims(name, row, results, claim)
+    else:
+        path_claims(name, row, results, claim)
+    return found
+
+
+def bench_claims(name, row, results, claim):
+    """The gpu config's: the precision computed, the packed kernel, memory against full
+    fine-tuning, decode speed against the estimate's rate."""
+    gpu, paths, computed = torch.cuda.is_available(), row.get("paths", {}), row.get(
+        "computed_dtypes", {})
+    share = computed.get("bfloat16", 0) / max(1, sum(computed.values()))
+    claim("bf16 compute: >= 90% of the Linear layers' outputs in bf16", share >= 0.9,
+          f"{share:.2f} of {sum(computed.values())}")
     if name == "packed":
         kernel = "FlashAttention varlen" if gpu else "causal SDPA per sequence"
         claim(f"packed rows attend through {kernel}", paths.get("packed attention") == kernel,
@@ -200,36 +323,94 @@ def claims(name, row, results, tiny):
         share = {"lora": 0.75, "packed": 1.0}[name]  # LoRA: no base gradients nor Adam states
         claim(f"peak memory under {share} x full fine-tuning's",
               row.get("peak_mib", full) < share * full, f"{row.get('peak_mib')} vs {full} MiB")
-    return found
+    if gpu and name == "full":  # a decode that copied its cache every token would be far slower
+        rate, floor = row.get("tokens_per_second/generation", 0.0), H200[
+            "generated_tokens_per_s"] / 3
+        claim(f"decodes at >= {floor:.0f} tokens/s (a third of the estimate's rate)",
+              rate >= floor, f"{rate:.0f} tokens/s")
 
 
-def gpu_run(args, name, cmd, read, estimate_s, deadline, results):
+def path_claims(name, row, results, claim):
+    """The path runs': compiled decode, an exact resume, vLLM's samples and pushes."""
+    paths, embedded = row.get("paths", {}), results.get("embedded", {})
+    if name == "compile":
+        claim("the decode step is compiled", str(paths.get("decode step")).startswith(
+            "torch.compile"), paths.get("decode step"))
+        eager = embedded.get("time/generation")
+        if torch.cuda.is_available() and eager:
+            claim("compiled decode no slower than eager (time/generation <= 1.1x the embedded "
+                  "run's)", (row.get("time/generation") or math.inf) <= 1.1 * eager,
+                  f"{row.get('time/generation')} vs {eager} s")
+    if name == "resume":
+        start = embedded_steps_of(embedded) - PATH_STEPS + 1
+        claim(f"resumed at step {start}", row.get("first_step") == start, row.get("first_step"))
+        worst = max_relative_difference(row.get("curve", {}), embedded.get("curve", {}))
+        claim("its steps' loss and reward equal the uninterrupted run's (1e-4 relative)",
+              worst <= 1e-4, worst)
+    if name.startswith("vllm"):
+        drift = row.get("max_logp_difference", math.inf)
+        claim("vLLM's log-probs are the trainer's: sampling_logp_difference/mean <= 1e-3 at "
+              "every step", drift <= 1e-3, drift)
+        claim("weights pushed before every step: time/weight_sync > 0", row.get(
+            "min_weight_sync", 0.0) > 0, row.get("min_weight_sync"))
+    if name == "vllm_server" and torch.cuda.is_available():
+        transfer = str(paths.get("weight transfer"))
+        claim("the weights go over CUDA IPC (one shared GPU)", transfer.startswith("ipc"),
+              transfer)
+    if name == "nccl":  # num_tokens counts every rank's
+        ratio = row.get("tokens_per_step", 0.0) / max(embedded.get("tokens_per_step", 0.0), 1e-9)
+        claim("two ranks trained: tokens a step 1.6-2.4x the one-process embedded run's",
+              1.6 <= ratio <= 2.4, f"{ratio:.2f}")
+
+
+def embedded_steps_of(embedded):
+    return embedded.get("steps", 0)
+
+
+def max_relative_difference(curve, reference):
+    """The largest |a - b| / max(|b|, 0.01) over the steps both have and their loss and reward (a
+    loss near 0, RLOO's mean advantage, is compared on the scale of 0.01); inf when they share no
+    step. JSON keeps the steps as strings."""
+    common = set(curve) & set(reference)
+    if not common:
+        return math.inf
+    return max(abs(curve[s][k] - reference[s][k]) / max(abs(reference[s][k]), 0.01)
+               for s in common for k in ("loss", "reward"))
+
+
+def gpu_run(args, name, cmd, read, estimate_s, deadline, results, env=None):
     """One run of the suite: cmd in its own process, its timeout TIMEOUT_FACTOR x its estimate on a
-    GPU, within the deadline; read() -> its numbers. -> the line reported for it as it ends, with
-    its wall time, its estimate, its claims and whether it passed: it ran and every claim held."""
+    GPU, within the deadline; read(output) -> its numbers. -> the line reported for it as it ends,
+    with its wall time, its estimate, its claims and whether it passed: it ran and every claim
+    held. Each claim is printed as a verdict line."""
     left = deadline - time.monotonic()
     if left <= 0:
+        print(f"FAIL {name}: not run, past --deadline {args.deadline} s", flush=True)
         return report_line(args.report, name, error=f"not run: past --deadline {args.deadline} s",
                            passed=False)
     timeout = min(left, TIMEOUT_FACTOR * estimate_s) if torch.cuda.is_available() else left
     start = time.perf_counter()
-    code, output = run_child(cmd, timeout)
+    code, output = run_child(cmd, timeout, env)
     row = dict(seconds=round(time.perf_counter() - start, 1), estimate_s=round(estimate_s))
     if code != 0:
         why = f"timed out after {timeout:.0f} s" if code is None else f"exit code {code}"
+        print(f"FAIL {name}: {why}", flush=True)
         return report_line(args.report, name, error=why, output=output.strip().splitlines()[-3:],
                            passed=False, **row)
-    row.update(read())
+    row.update(read(output))
     row["claims"] = claims(name, row, results, args.tiny)
     row["passed"] = all(c["held"] for c in row["claims"])
+    for c in row["claims"]:
+        print(f"{'PASS' if c['held'] else 'FAIL'} {name}: {c['claim']} (measured: "
+              f"{c['measured']})", flush=True)
     return report_line(args.report, name, **row)
 
 
-def run_child(cmd, timeout):
+def run_child(cmd, timeout, env=None):
     """cmd in its own process group, the whole group killed after `timeout` seconds (or when this
     process stops first) -> (its exit code, None if it timed out; its stdout and stderr)."""
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             process_group=0)
+                             process_group=0, env=env)
     output = None
     try:
         output = child.communicate(timeout=timeout)[0]
@@ -259,22 +440,45 @@ def read_json(path):
         return json.load(f)
 
 
-def reward_curve(out):
-    """A train.py run's mean reward over the first and last tenth of its steps (metrics.jsonl)."""
+def train_row(out, output):
+    """A train.py run's numbers: its metrics.jsonl (the reward over the first and last tenth of its
+    steps, the median time/generation after 3 warm-up steps, vLLM's largest log-prob difference
+    and smallest push time, the last PATH_STEPS steps' loss and reward) and its output's path
+    lines."""
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        curve = [json.loads(line)["reward"] for line in f]
+        rows = [json.loads(line) for line in f]
+    curve = [r["reward"] for r in rows]
     tenth = max(1, len(curve) // 10)
+    timed = [r["time/generation"] for r in rows[3:] or rows if "time/generation" in r]
     return {"first_tenth_reward": sum(curve[:tenth]) / tenth,
-            "last_tenth_reward": sum(curve[-tenth:]) / tenth, "steps": len(curve)}
+            "last_tenth_reward": sum(curve[-tenth:]) / tenth, "steps": rows[-1]["step"],
+            "first_step": rows[0]["step"],
+            "time/generation": statistics.median(timed) if timed else None,
+            "tokens_per_step": rows[-1].get("num_tokens", 0) / len(rows),
+            "finite": all(isinstance(r.get(k), (int, float)) and math.isfinite(r[k])
+                          for r in rows for k in ("loss", "reward", "grad_norm")),
+            "max_logp_difference": max((r.get("sampling/sampling_logp_difference/mean", math.inf)
+                                        for r in rows), default=math.inf),
+            "min_weight_sync": min((r.get("time/weight_sync", 0.0) for r in rows), default=0.0),
+            "curve": {str(r["step"]): {"loss": r["loss"], "reward": r["reward"]}
+                      for r in rows[-PATH_STEPS:]},  # what a resume is compared on
+            # a progress bar's remains may precede a line on the screen: no ^
+            "paths": dict(re.findall(r"rloo: path: (.+?) = (.+?)(?: \(.*)?$", output, re.M))}
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def print_table(results):
     keys = ["passed", "step_time", "time/generation", "time/reference", "time/forward_backward",
             "time/optimizer", "tokens_per_second/generation", "peak_mib"]
-    print("| variant | " + " | ".join(keys) + " |\n" + "|---" * (len(keys) + 1) + "|")
-    for name in GPU_VARIANTS:
-        print(f"| {name} | " + " | ".join(f"{results[name][k]:.4g}" if isinstance(
-            results[name].get(k), float) else str(results[name].get(k, "-")) for k in keys) + " |")
+    print("| run | " + " | ".join(keys) + " |\n" + "|---" * (len(keys) + 1) + "|")
+    for name, row in results.items():
+        print(f"| {name} | " + " | ".join(f"{row[k]:.4g}" if isinstance(row.get(k), float)
+                                          else str(row.get(k, "-")) for k in keys) + " |")
 
 
 def main():
@@ -285,9 +489,11 @@ def main():
                         help="a tiny model and batch in place of the gpu config's (CPU)")
     parser.add_argument("--deadline", type=int, default=540, help="seconds, after which no run "
                         "starts and the one running stops (under the device's 10 min a command)")
+    parser.add_argument("--only", nargs="+", choices=list(VARIANTS), help="only these variants "
+                        "(after the embedded run, which the path runs compare with)")
     parser.add_argument("--wheels", metavar="DIR", help="only download the GPU machine's wheels "
                         "(GPU_WHEELS, then any NAME==VERSION given) into DIR")
-    args, extra = parser.parse_known_args()  # any other flag goes to every variant's train.py
+    args, extra = parser.parse_known_args()  # any other flag goes to every bench run
     if args.wheels:
         return download_wheels(args.wheels, extra)
     c = bench.bench_config(argparse.Namespace(config="gpu", tiny=args.tiny,

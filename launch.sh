@@ -42,7 +42,7 @@ train_env=()
 if [[ -n "${VLLM_SERVER_MODEL:-}" ]]; then
   # the engine's own OpenAI-compatible server; dev mode exposes /collective_rpc for the weight push
   export VLLM_API_KEY=${VLLM_API_KEY:-$(python -c "import secrets; print(secrets.token_hex(16))")}
-  server=(env VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model "$VLLM_SERVER_MODEL"
+  server=(env VLLM_SERVER_DEV_MODE=1 vllm serve "$VLLM_SERVER_MODEL"
           --port "$vllm_port" --logprobs-mode processed_logprobs --generation-config vllm ${VLLM_SERVER_ARGS:-})
   # vLLM's weight-transfer engine, from trainer rank 0 into the server's workers: NCCL when they have GPUs
   # of their own; on one shared GPU CUDA IPC (below): NCCL refuses a group that holds one GPU twice

@@ -110,8 +110,8 @@ def enable_activation_checkpointing(model):
 
 
 def fsdp_param_groups(unit):
-    """An FSDP2 unit's parameter groups (private state, no public reader): a list from torch 2.13
-    (per-parameter meshes), one group or None before (torch 2.9 to 2.12)."""
+    """An FSDP2 unit's parameter groups (private state, no public reader): a list from torch 2.12
+    (per-parameter meshes), one group or None before (torch 2.9 to 2.11)."""
     state = unit._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)
     return groups if groups is not None else [g for g in [state._fsdp_param_group] if g is not None]

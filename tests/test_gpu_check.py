@@ -3,6 +3,7 @@ CPU with a tiny shape writing one report line per run as each ends, a run past i
 claim is reported failed, and the wheels it carries bring every requirement the GPU machine lacks (the GPU numbers come
 from a device run)."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -18,22 +19,25 @@ import bench
 import gpu_check
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUNS = ["plan", "model", "embedded", "full", "lora", "packed", "trl"]
+RUNS = ["plan", "model", "embedded", "full", "lora", "packed", "trl", "compile", "resume", "vllm_colocate",
+        "vllm_server", "nccl"]
 
 
 def report_lines(path):
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_the_gpu_check_fits_in_6_minutes_of_one_h200_by_its_own_estimate():
+def test_the_gpu_check_fits_in_7_minutes_of_one_h200_by_its_own_estimate():
+    """On the lent machine (one GPU, no vLLM): 7 minutes, so that it, a rerun of what failed (--only) and the
+    machine's start fit the 15-minute lease; every run's timeout stays within the 10-minute command limit."""
     config = dict(bench.CONFIGS["gpu"])
     steps = config.pop("steps")
-    estimate = gpu_check.gpu_estimate(config, steps)
+    estimate = gpu_check.gpu_estimate(config, steps, gpus=1, vllm=False)
     # every completion runs to max_completion_length: steps x batch x length tokens per variant
     assert estimate["generated_tokens_per_variant"] == steps * config["batch"] * config["max_completion_length"]
-    assert estimate["total_s"] <= 6 * 60, estimate
-    # and its runs' timeouts stay within the device's 10-minute command limit
-    assert gpu_check.TIMEOUT_FACTOR * estimate["variant_s"] < 600
+    assert estimate["total_s"] <= 7 * 60, estimate
+    assert {"compile", "resume"} <= set(estimate["runs"]) and not {"vllm_colocate", "nccl"} & set(estimate["runs"])
+    assert all(gpu_check.TIMEOUT_FACTOR * s < 600 for s in estimate["each_s"].values()), estimate
 
 
 def test_gpu_check_runs_on_cpu_with_a_tiny_shape_reporting_each_run_as_it_ends(tmp_path):
@@ -63,9 +67,18 @@ def test_gpu_check_runs_on_cpu_with_a_tiny_shape_reporting_each_run_as_it_ends(t
         assert "error" not in results[variant], (variant, results[variant])
         assert results[variant]["step_time"] > 0 and results[variant]["tokens_per_second/generation"] > 0
         assert results[variant]["passed"] and results[variant]["claims"], results[variant]
+        # what the device computed (the tiny config asks for bf16), not the flag
+        assert results[variant]["computed_dtypes"]["bfloat16"] > 0, results[variant]["computed_dtypes"]
+    assert {"loss", "grad_norm"} <= set(results["trl"])  # TRL's own, not a 0.0 standing in for them
     assert results["packed"]["paths"]["packed attention"] == "causal SDPA per sequence"  # a CPU's
+    assert results["compile"]["passed"] and results["compile"]["paths"]["KV cache"] == "StaticCache"
+    assert results["resume"]["passed"] and results["resume"]["first_step"] == 31  # from the embedded run's step 30
+    vllm = importlib.util.find_spec("vllm") is not None  # colocated on a CPU where it is installed
+    assert results["vllm_colocate"].get("passed") if vllm else "needs vLLM" in results["vllm_colocate"]["not_run"]
+    assert results["nccl"]["not_run"] == "needs 2 GPUs, this machine has 0"
     assert results["plan"]["versions"].startswith("torch ") and "peak_mib" in results["plan"]["methods"]
     assert "estimate on one H200" in out and "| lora |" in out
+    assert "PASS full: bf16 compute" in out and "NOT RUN nccl: needs 2 GPUs" in out  # a verdict line per claim
 
 
 def test_a_gpu_check_past_its_deadline_reports_every_run_not_run():
@@ -74,7 +87,7 @@ def test_a_gpu_check_past_its_deadline_reports_every_run_not_run():
     assert out.returncode == 1, out.stderr[-3000:]
     lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert [line["run"] for line in lines] == RUNS
-    assert all(line["error"].startswith("not run") for line in lines[2:])
+    assert all((line.get("error") or line["not_run"]).startswith(("not run", "needs")) for line in lines[2:])
 
 
 def test_a_run_past_its_timeout_is_killed_with_its_children():
@@ -111,25 +124,87 @@ def test_the_package_check_names_what_is_missing_or_too_old(monkeypatch):
     assert problems[1:] == ["no-such-package: not installed", "pyarrow 19.0.0 (for datasets): needs >=24.0.0"]
 
 
-def test_a_run_that_fails_its_claim_is_reported_failed(monkeypatch):
-    """The gpu suite's verdict is each run's claims, not its exit code: an embedded run that does not learn, a
-    packed run that took the per-sequence loop on a GPU, a LoRA run not lighter than full fine-tuning fail."""
-    def held(name, row, results, tiny=False):
-        return [c["held"] for c in gpu_check.claims(name, row, results, tiny)]
+# A row for each run on which every claim holds (on a GPU), and for each claim a change that makes it, and it alone,
+# fail: the gpu suite's verdict is its claims, and a claim that cannot fail claims nothing.
+GOOD = {
+    "embedded": {"finite": True, "first_tenth_reward": 0.1, "last_tenth_reward": 0.99, "time/generation": 1.0,
+                 "tokens_per_step": 1000.0, "steps": 500, "curve": {"491": {"loss": 0.001, "reward": 0.99}}},
+    "full": {"finite": True, "computed_dtypes": {"bfloat16": 99, "float32": 1}, "paths": {}, "peak_mib": 1000.0,
+             "tokens_per_second/generation": 8000.0},
+    "lora": {"finite": True, "computed_dtypes": {"bfloat16": 10}, "peak_mib": 700.0},
+    "packed": {"finite": True, "computed_dtypes": {"bfloat16": 10}, "peak_mib": 900.0,
+               "paths": {"packed attention": "FlashAttention varlen"}},
+    "trl": {"finite": True, "computed_dtypes": {"bfloat16": 10}},
+    "compile": {"finite": True, "paths": {"decode step": "torch.compile mode reduce-overhead"},
+                "time/generation": 0.5},
+    "resume": {"finite": True, "first_step": 491, "curve": {"491": {"loss": 0.001, "reward": 0.99}}},
+    "vllm_colocate": {"finite": True, "max_logp_difference": 1e-6, "min_weight_sync": 0.01},
+    "vllm_server": {"finite": True, "max_logp_difference": 1e-6, "min_weight_sync": 0.01,
+                    "paths": {"weight transfer": "ipc, vLLM >= 0.33 WeightSource.iter_full"}},
+    "nccl": {"finite": True, "tokens_per_step": 2000.0},
+}
+FAILING = [  # run, words of the claim, the change that fails it
+    ("embedded", "finite", {"finite": False}),
+    ("embedded", "learns", {"last_tenth_reward": 0.5}),
+    ("full", "finite", {"finite": None}),  # a figure missing (TRL's rows had no loss nor gradient norm)
+    ("full", "bf16 compute", {"computed_dtypes": {"float32": 100}}),  # asked for bf16, computed in fp32
+    ("full", "decodes at", {"tokens_per_second/generation": 100.0}),
+    ("lora", "finite", {"finite": False}),
+    ("lora", "bf16 compute", {"computed_dtypes": {"bfloat16": 8, "float32": 2}}),
+    ("lora", "peak memory", {"peak_mib": 900.0}),
+    ("packed", "finite", {"finite": False}),
+    ("packed", "bf16 compute", {"computed_dtypes": {}}),
+    ("packed", "FlashAttention", {"paths": {"packed attention": "causal SDPA per sequence"}}),
+    ("packed", "peak memory", {"peak_mib": 1200.0}),
+    ("trl", "finite", {"finite": False}),
+    ("trl", "bf16 compute", {"computed_dtypes": {"float16": 10}}),
+    ("compile", "finite", {"finite": False}),
+    ("compile", "is compiled", {"paths": {"decode step": "eager"}}),
+    ("compile", "no slower", {"time/generation": 2.0}),
+    ("resume", "finite", {"finite": False}),
+    ("resume", "resumed at step 491", {"first_step": 1}),
+    ("resume", "equal the uninterrupted", {"curve": {"491": {"loss": 0.001, "reward": 0.98}}}),
+    ("vllm_colocate", "finite", {"finite": False}),
+    ("vllm_colocate", "log-probs", {"max_logp_difference": 0.01}),
+    ("vllm_colocate", "pushed before every step", {"min_weight_sync": 0.0}),
+    ("vllm_server", "finite", {"finite": False}),
+    ("vllm_server", "log-probs", {"max_logp_difference": float("inf")}),
+    ("vllm_server", "pushed before every step", {"min_weight_sync": 0.0}),
+    ("vllm_server", "CUDA IPC", {"paths": {"weight transfer": "nccl, vLLM >= 0.33 WeightSource.iter_full"}}),
+    ("nccl", "finite", {"finite": False}),
+    ("nccl", "two ranks", {"tokens_per_step": 1000.0}),
+]
 
-    assert held("embedded", {"first_tenth_reward": 0.1, "last_tenth_reward": 0.99}, {}) == [True]
-    assert held("embedded", {"first_tenth_reward": 0.1, "last_tenth_reward": 0.5}, {}) == [False]
-    assert held("embedded", {"last_tenth_reward": 0.0}, {}, tiny=True) == []  # 40 steps claim nothing
+
+def test_every_claim_can_fail_and_fails_alone(monkeypatch):
+    """On GOOD every claim of every run holds; each change of FAILING fails the claim it names and no other; and
+    every claim a run makes is in FAILING. (bf16 compute was read from the flag, the KV cache claim restated it, and
+    TRL's missing loss and gradient norm counted as 0.0: none of them could fail.)"""
     monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: True)
-    paths = {"precision": "bf16", "KV cache": "KVBuffer"}
-    full = {"finite": True, "paths": paths, "peak_mib": 1000.0}
-    assert held("full", full, {}) == [True, True, True]
-    assert held("packed", {**full, "paths": {**paths, "packed attention": "causal SDPA per sequence"},
-                           "peak_mib": 800.0}, {"full": full}) == [True, True, True, False, True]
-    assert held("lora", {**full, "peak_mib": 900.0}, {"full": full}) == [True, True, True, False]
-    assert held("full", {**full, "finite": False}, {}) == [False, True, True]
+    results = dict(GOOD)
+
+    def verdicts(name, row):
+        return {c["claim"]: c["held"] for c in gpu_check.claims(name, row, results, tiny=False)}
+
+    covered = set()
+    for name, row in GOOD.items():
+        assert all(verdicts(name, row).values()), (name, verdicts(name, row))
+    for name, words, change in FAILING:
+        failed = [claim for claim, held in verdicts(name, {**GOOD[name], **change}).items() if not held]
+        assert len(failed) == 1 and words in failed[0], (name, words, failed)
+        covered.add((name, failed[0]))
+    made = {(name, claim) for name in GOOD for claim in verdicts(name, GOOD[name])}
+    assert made == covered, made - covered
+
+
+def test_a_run_that_fails_its_claim_is_reported_failed(monkeypatch):
+    """The verdict is the claims, not the exit code: a LoRA run not lighter than full fine-tuning fails, and its
+    verdict lines say which claim."""
+    full = GOOD["full"]
     args = types.SimpleNamespace(report=None, deadline=60, tiny=False)
-    monkeypatch.setattr(gpu_check, "run_child", lambda cmd, timeout: (0, ""))
-    row = gpu_check.gpu_run(args, "lora", [], lambda: {**full, "peak_mib": 900.0}, 1.0, time.monotonic() + 60,
-                        {"full": full})
+    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_check, "run_child", lambda cmd, timeout, env=None: (0, ""))
+    row = gpu_check.gpu_run(args, "lora", [], lambda output: {**GOOD["lora"], "peak_mib": 900.0}, 1.0,
+                            time.monotonic() + 60, {"full": full})
     assert row["passed"] is False and "error" not in row
+    assert [c["held"] for c in row["claims"]] == [True, True, False]

