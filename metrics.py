@@ -32,7 +32,7 @@ TABLE_COLUMNS = ("step", "prompt", "completion", "advantage", "image")
 # of evaluation's eval_..., would overwrite it or pose as it. A new metric adds its name here.
 TRAINER_METRICS = ("step", "epoch", "reward", "reward_std", "frac_reward_zero_std", "kl",
                    "entropy", "loss", "grad_norm", "learning_rate", "num_tokens", "step_time",
-                   "aux_loss", "nonfinite_skipped")
+                   "aux_loss", "nonfinite_skipped", "train_seconds")
 TRAINER_GROUPS = ("rewards", "completions", "clip_ratio", "sampling", "dynamic_sampling", "time",
                   "memory", "tokens_per_second", "turns", "tools", "environment")
 

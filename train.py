@@ -425,14 +425,21 @@ def main(argv=None):
             raise
 
 
+def evaluate_now(r, step, clock):
+    """Every eval set, logged at this step with the training time so far (train_seconds), off the
+    training clock."""
+    with clock.paused():
+        evaluated = evaluate(r.cfg, r.eval_generator, r.eval_sets, r.rewards, r.model, step)
+    r.logger.write(step, {**evaluated, "train_seconds": clock.seconds()})
+
+
 def train(r):
     """The loop: sample -> score -> update, then log and checkpoint; the end. -> Result"""
     cfg, model, rewards, logger = r.cfg, r.model, r.rewards, r.logger
     step, num_tokens, saved_step, stopped = r.state.step, r.state.num_tokens, r.state.step, False
     clock, last = Clock(cfg.max_train_minutes and 60 * cfg.max_train_minutes), False
     if r.eval_sets and cfg.eval_on_start:
-        with clock.paused():
-            logger.write(step, evaluate(cfg, r.eval_generator, r.eval_sets, rewards, model, step))
+        evaluate_now(r, step, clock)
     while step < r.total_steps and not (stopped or last):
         timings = {}
         # ======== 1. Sample: G completions for each of this rank's P prompts ========
@@ -457,9 +464,7 @@ def train(r):
                 logger.completions(step, *completions_table(step, batch, scores, rewards,
                                                             cfg.log_multimodal))
             if r.eval_sets and (step % cfg.eval_steps == 0 or last):
-                with clock.paused():
-                    evaluated = evaluate(cfg, r.eval_generator, r.eval_sets, rewards, model, step)
-                logger.write(step, evaluated)
+                evaluate_now(r, step, clock)
             r.health.stepped(grad_norm)
             if last:
                 break
