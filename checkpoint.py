@@ -159,6 +159,12 @@ def watch_signals(device, output_dir):
             timer.daemon = True  # it must not hold the exit
             timer.start()
 
+    if threading.current_thread() is not threading.main_thread():  # Python's rule (README 'Sweeps')
+        if distributed.is_main():
+            print(f"rloo: running in thread {threading.current_thread().name!r}, not the main one: "
+                  "no SIGTERM or Ctrl-C handler, so a signal does not save a checkpoint",
+                  file=sys.stderr)
+        return flag
     for signum in (signal.SIGTERM, signal.SIGINT):  # put back when the run ends (process.py)
         signal.signal(signum, handle)
     return flag
@@ -179,7 +185,8 @@ def stop_for_lost_peer(output_dir, lost, error=None):
     is on another host) and the checkpoint to resume from; then exit at once, as every collective,
     and the interpreter's shutdown, would wait on the dead peer."""
     for signum in (signal.SIGTERM, signal.SIGINT):  # torchrun's SIGTERM must not add a line
-        signal.signal(signum, signal.SIG_IGN)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signum, signal.SIG_IGN)
     if distributed.rank() == min(set(range(distributed.world_size())) - set(lost)):
         for bar in list(tqdm._instances):
             bar.clear()
