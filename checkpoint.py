@@ -109,6 +109,7 @@ class TrainerState:
     window: dict = dataclasses.field(default_factory=dict)  # metrics since the last log line
     position: int = 0  # prompt batches drawn (batches.BatchSource)
     in_flight: list = dataclasses.field(default_factory=list)  # async batches, saved per rank
+    data: dict | None = None  # what identifies the data at the position (batches.BatchSource.data)
 
 
 def resume_or_start(cfg, model, optimizer, scheduler, ref_model=None):
@@ -340,7 +341,7 @@ def find_checkpoint(cfg):
 # On resume the optimizer and scheduler state come back from the checkpoint (as the Hugging Face
 # Trainer does): these flags keep the checkpoint's values; every other flag takes its new value.
 FROM_CHECKPOINT = ("learning_rate", "weight_decay")
-NOT_COMPARED = ("resume_from_checkpoint", "overwrite_output_dir")
+NOT_COMPARED = ("resume_from_checkpoint", "overwrite_output_dir", "accept_data_change")
 
 
 def warn_changed_flags(cfg, state, path):

@@ -212,6 +212,7 @@ ONLY_WITH = [
     ("--report_to wandb", lambda c: "wandb" in c.report_to, ["run_name"]),
     ("--save_strategy steps", lambda c: c.save_strategy == "steps",
      ["save_steps", "save_total_limit"]),
+    ("--resume_from_checkpoint", lambda c: c.resume_from_checkpoint, ["accept_data_change"]),
 ]
 
 

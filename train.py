@@ -392,9 +392,9 @@ def start(cfg, device, opened):
     optimizer, scheduler, total_steps = make_optimization(cfg, model, dataset, device)
     rewards.max_steps, rewards.steps_per_epoch = total_steps, steps_per_epoch(cfg, dataset)
     state = checkpoint.resume_or_start(cfg, model, optimizer, scheduler, ref_model)
-    logger = opened.enter_context(closing(Logger(cfg, total_steps, state, rewards.steps_per_epoch)))
     source = opened.enter_context(closing(BatchSource(cfg, generator, dataset, rewards,
                                                       tokenizer.pad_token_id, vars(state))))
+    logger = opened.enter_context(closing(Logger(cfg, total_steps, state, rewards.steps_per_epoch)))
     return Run(cfg, model, ref_model, processor or tokenizer, vision, rewards, eval_sets,
                eval_generator, optimizer, scheduler, total_steps, state,
                checkpoint.watch_signals(device, cfg.output_dir), RunHealth(cfg), logger, source)
