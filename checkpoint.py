@@ -256,9 +256,11 @@ def save_checkpoint(cfg, model, optimizer, scheduler, state, vision=False, ref_m
         if distributed.is_main():
             shutil.rmtree(final + ".tmp", ignore_errors=True)
         last = checkpoint_dirs(cfg.output_dir)
-        kept = f"the last complete checkpoint, {last[-1]}, is intact" if last else "nothing is lost"
+        kept = f"the last complete checkpoint, {last[-1]}, is intact" if last else \
+            "no earlier checkpoint exists"
+        then = "resume with --resume_from_checkpoint latest" if last else "run again"
         fail(f"cannot write {final} ({full or ''}{reason(e)}): the partial copy is removed and "
-             f"{kept}. Free disk space, then resume with --resume_from_checkpoint latest")
+             f"{kept}. Free disk space, then {then}")
     if distributed.is_main():
         shutil.rmtree(final, ignore_errors=True)
         os.rename(final + ".tmp", final)

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from dataclasses import asdict
 
@@ -48,6 +49,7 @@ class Logger:
         if "tensorboard" in cfg.report_to:  # where the Hugging Face Trainer writes them
             from torch.utils.tensorboard import SummaryWriter
             self.sinks["tensorboard"] = SummaryWriter(os.path.join(cfg.output_dir, "runs"))
+            threading.excepthook = quiet_writer_thread(threading.excepthook)  # process.py restores
         self.bar = tqdm(total=total_steps, initial=resumed_step or 0, desc="rloo",
                         dynamic_ncols=True)
 
@@ -203,6 +205,16 @@ def files_deleted(name, sink):
     if name == "wandb" and sink.offline and not os.path.isdir(sink.dir):  # online: sent as well
         return sink.dir
     return None
+
+
+def quiet_writer_thread(previous):
+    """threading.excepthook for the run: an error in tensorboard's writer thread is not printed as a
+    traceback there, as tensorboard raises it again at the next write, where send says it in one
+    line; other threads' go to the previous hook."""
+    def hook(args):
+        if type(args.thread).__name__ != "_AsyncWriterThread":
+            previous(args)
+    return hook
 
 
 def close_sink(name, sink, quietly=False):

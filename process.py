@@ -4,14 +4,14 @@ one, and the caller finds the process as it was.
 
 Borrowed: the SIGTERM and SIGINT handlers (checkpoint.watch_signals; a run in another thread than
 the main one has none, Python allows them only there), sys.excepthook (which torch.distributed
-wraps), torch's CPU threads (distributed.set_cpu_threads), torch's modes (FRESH: a caller's
-no_grad, inference_mode, float64 default dtype or deterministic algorithms are set aside for the
-run, which works as in a fresh process), the random generators (the run seeds torch's; a caller's
-sweep draws on from where it was), the process group when the run made it, environment variables
-(a colocated vLLM engine's), warnings filters and logger levels, the attention implementations
-packed models stand in front of (packing.BASE), the user's modules (user_code), the paths said
-(stack.PATHS), and the run's own threads: tqdm's monitor, the generation thread and the loggers
-(main registers those two here).
+wraps), threading.excepthook (logs.py's, for tensorboard's writer thread), torch's CPU threads
+(distributed.set_cpu_threads), torch's modes (FRESH: a caller's no_grad, inference_mode, float64
+default dtype or deterministic algorithms are set aside for the run, which works as in a fresh
+process), the random generators (the run seeds torch's; a caller's sweep draws on from where it
+was), the process group when the run made it, environment variables (a colocated vLLM engine's),
+warnings filters and logger levels, the attention implementations packed models stand in front of
+(packing.BASE), the user's modules (user_code), the paths said (stack.PATHS), and the run's own
+threads: tqdm's monitor, the generation thread and the loggers (main registers those two here).
 """
 
 import contextlib
@@ -77,7 +77,8 @@ def borrowed():
         fail(f"train.main runs under a default device of {torch.get_default_device()} (the "
              "caller's torch.set_default_device or `with torch.device(...)`); call it outside")
     handlers = {signum: signal.getsignal(signum) for signum in SIGNALS} if in_main_thread() else {}
-    hook, modes, states = sys.excepthook, [read() for read, _, _ in FRESH], random_states()
+    hooks, modes, states = (sys.excepthook, threading.excepthook), [r() for r, _, _ in FRESH], \
+        random_states()
     threads, environ, filters = torch.get_num_threads(), dict(os.environ), warnings.filters[:]
     levels = {name: logger.level for name, logger in logging.root.manager.loggerDict.items()
               if isinstance(logger, logging.Logger)}
@@ -98,7 +99,8 @@ def borrowed():
             dist.destroy_process_group()
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
-        sys.excepthook = hook  # init_process_group wraps it (a [rankN] prefix), once per group
+        # init_process_group wraps sys's (a [rankN] prefix), once per group; logs.py threading's
+        sys.excepthook, threading.excepthook = hooks
         for (_, set_mode, _), mode in zip(FRESH, modes):
             set_mode(mode)
         set_random_states(states)

@@ -151,3 +151,48 @@ def test_a_sink_that_cannot_start_is_one_line_at_start_up(tmp_path):
     assert done.stderr.splitlines()[-1] == (
         "error: --report_to wandb: wandb cannot start (UsageError: No API key configured. Use `wandb login` to log "
         "in.); log in (wandb login) or set WANDB_MODE=offline")
+
+
+FULL_DISK = """
+import os, subprocess, sys, time
+mount, train = sys.argv[1], sys.argv[2:]
+subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", mount], check=True)
+out = os.path.join(mount, "run")
+proc = subprocess.Popen(train + ["--output_dir", out], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+while not os.path.exists(os.path.join(out, "metrics.jsonl")) or open(os.path.join(out, "metrics.jsonl")).read().count("\\n") < 5:
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    time.sleep(0.02)
+try:
+    with open(os.path.join(mount, "filler"), "wb") as f:  # the disk fills up under the run
+        while True:
+            f.write(b"x" * 2**20)
+except OSError:
+    pass
+stdout, stderr = proc.communicate()
+sys.stdout.write(stdout)
+sys.stderr.write(stderr)
+sys.exit(proc.returncode)
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="tensorboard is not installed")
+def test_a_full_disk_drops_the_sinks_with_a_line_each_then_the_checkpoint_is_one_line(tmp_path):
+    """The output directory on a tmpfs of 8 MB (mounted in a user namespace) that fills up mid-run: metrics.jsonl
+    and tensorboard (whose writer thread fails first, in its own thread) each get one warning line and no traceback;
+    the checkpoint that follows cannot be written, which is the run's last line (no earlier checkpoint exists)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    train = [sys.executable, os.path.join(ROOT, "train.py"), *FLAGS, "--max_steps", "200", "--save_steps", "100",
+             "--report_to", "tensorboard"]
+    if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode:
+        pytest.skip("no user namespaces here (unshare -rm): cannot mount a small disk")
+    done = subprocess.run(["unshare", "-rm", sys.executable, "-c", FULL_DISK, str(mount), *train], capture_output=True,
+                          text=True, cwd=ROOT, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "Exception in thread" not in done.stderr, done.stderr[-3000:]
+    warnings = [line.split("rloo: WARNING: ")[1] for line in done.stderr.splitlines() if "rloo: WARNING: " in line]
+    assert sorted(w.split(" failed at step ")[0] for w in warnings) == [f"{mount}/run/metrics.jsonl", "tensorboard"]
+    assert all("(OSError: [Errno 28] No space left on device): dropped" in w for w in warnings), warnings
+    assert done.stderr.splitlines()[-1] == (
+        f"error: cannot write {mount}/run/checkpoint-100 (OSError: [Errno 28] No space left on device): the partial "
+        "copy is removed and no earlier checkpoint exists. Free disk space, then run again")
