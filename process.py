@@ -4,14 +4,15 @@ one, and the caller finds the process as it was.
 
 Borrowed: the SIGTERM and SIGINT handlers (checkpoint.watch_signals; a run in another thread than
 the main one has none, Python allows them only there), sys.excepthook (which torch.distributed
-wraps), threading.excepthook (logs.py's, for tensorboard's writer thread), torch's CPU threads
-(distributed.set_cpu_threads), torch's modes (FRESH: a caller's no_grad, inference_mode, float64
-default dtype or deterministic algorithms are set aside for the run, which works as in a fresh
-process), the random generators (the run seeds torch's; a caller's sweep draws on from where it
-was), the process group when the run made it, environment variables (a colocated vLLM engine's),
-warnings filters and logger levels, the attention implementations packed models stand in front of
-(packing.BASE), the user's modules (user_code), the paths said (stack.PATHS), and the run's own
-threads: tqdm's monitor, the generation thread and the loggers (main registers those two here).
+wraps), threading.excepthook (logs.py's, for tensorboard's writer thread), sys.stdout (Stdout),
+torch's CPU threads (distributed.set_cpu_threads), torch's modes (FRESH: a caller's no_grad,
+inference_mode, float64 default dtype or deterministic algorithms are set aside for the run, which
+works as in a fresh process), the random generators (the run seeds torch's; a caller's sweep draws
+on from where it was), the process group when the run made it, environment variables (a colocated
+vLLM engine's), warnings filters and logger levels, the attention implementations packed models
+stand in front of (packing.BASE), the user's modules (user_code), the paths said (stack.PATHS), and
+the run's own threads: tqdm's monitor, the generation thread and the loggers (main registers those
+two here).
 """
 
 import contextlib
@@ -69,6 +70,39 @@ def set_random_states(states):
     np.random.set_state(numpy)
 
 
+class Stdout:
+    """sys.stdout for a run: when its reader goes (`| head` done, a `| tee` killed: BrokenPipeError)
+    what the run prints there stops, with one warning, and the run goes on (docs/troubleshooting.md
+    'Logs'); fd 1 then points at /dev/null, so the interpreter's last flush fails no more."""
+
+    def __init__(self, stream):
+        self.stream, self.broken = stream, False
+
+    def write(self, text):
+        return self.guarded(self.stream.write, text) or len(text)
+
+    def flush(self):
+        self.guarded(self.stream.flush)
+
+    def guarded(self, call, *args):
+        if self.broken:
+            return None
+        try:
+            return call(*args)
+        except BrokenPipeError:
+            self.broken = True
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self.stream.fileno())
+            os.close(null)
+            tqdm.write("rloo: WARNING: stdout's reader is gone (broken pipe): nothing more is "
+                       "printed there; training, checkpoints and metrics.jsonl go on",
+                       file=sys.stderr)
+            return None
+
+    def __getattr__(self, name):  # fileno, isatty, encoding: the stream's
+        return getattr(self.stream, name)
+
+
 @contextlib.contextmanager
 def borrowed():
     """The body of a run; -> an ExitStack that closes what the run opens (its generation thread, its
@@ -82,9 +116,10 @@ def borrowed():
     threads, environ, filters = torch.get_num_threads(), dict(os.environ), warnings.filters[:]
     levels = {name: logger.level for name, logger in logging.root.manager.loggerDict.items()
               if isinstance(logger, logging.Logger)}
-    had_group, monitor = dist.is_initialized(), tqdm.monitor
+    had_group, monitor, stdout = dist.is_initialized(), tqdm.monitor, sys.stdout
     stack.PATHS.clear()
     try:
+        sys.stdout = Stdout(stdout)
         for (_, set_mode, fresh) in FRESH:
             set_mode(fresh)
         with contextlib.ExitStack() as opened:
@@ -101,6 +136,7 @@ def borrowed():
             signal.signal(signum, handler)
         # init_process_group wraps sys's (a [rankN] prefix), once per group; logs.py threading's
         sys.excepthook, threading.excepthook = hooks
+        sys.stdout = stdout
         for (_, set_mode, _), mode in zip(FRESH, modes):
             set_mode(mode)
         set_random_states(states)
