@@ -49,6 +49,9 @@ FRESH = ((torch.get_default_dtype, torch.set_default_dtype, torch.float32),
          (torch.get_float32_matmul_precision, torch.set_float32_matmul_precision, "highest"))
 
 
+RUNNING = threading.Lock()  # held by the run in progress
+
+
 def in_main_thread():
     """Whether this is the main thread, the only one where Python lets a run set signal handlers."""
     return threading.current_thread() is threading.main_thread()
@@ -110,6 +113,19 @@ def borrowed():
     if torch.get_default_device().type != "cpu":  # a context of torch's own, not one to set aside
         fail(f"train.main runs under a default device of {torch.get_default_device()} (the "
              "caller's torch.set_default_device or `with torch.device(...)`); call it outside")
+    if not RUNNING.acquire(blocking=False):  # what it borrows is the process's, one run's at a time
+        fail("train.main is already running in this process (from another thread): one run at a "
+             "time, as each borrows the process's state; start the next when it returns")
+    try:
+        with lent() as opened:
+            yield opened
+    finally:
+        RUNNING.release()
+
+
+@contextlib.contextmanager
+def lent():
+    """borrowed's body: what the run takes from the process, given back however it ends."""
     handlers = {signum: signal.getsignal(signum) for signum in SIGNALS} if in_main_thread() else {}
     hooks, modes, states = (sys.excepthook, threading.excepthook), [r() for r, _, _ in FRESH], \
         random_states()

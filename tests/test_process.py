@@ -103,7 +103,7 @@ def test_the_readmes_sweep_runs_as_written(tmp_path):
 
 
 CALLER = """
-    import json, os, sys, threading
+    import json, os, sys, threading, time
     import torch
     import train
 
@@ -140,6 +140,12 @@ CALLER = """
 
     thread = threading.Thread(target=worker, name="sweep-worker")
     thread.start()
+    while thread.is_alive() and len(open(os.environ["PROBE_FILE"]).readlines()) < 3:  # the thread's run scores
+        time.sleep(0.01)
+    try:
+        train.main(flags + ["--output_dir", os.path.join(out, "second")])  # a second run meanwhile
+    except train.Failed as e:
+        concurrent = str(e)
     thread.join()
     rng_goes_on = torch.rand(1, dtype=torch.float32).item() == drawn[1].item()
     after["process"] = modes()
@@ -149,7 +155,7 @@ CALLER = """
     except train.Failed as e:
         refused = str(e)
     print(json.dumps({"results": results, "after": after, "caller": caller, "state": [before, state()],
-                      "rng_goes_on": rng_goes_on, "refused": refused}))
+                      "rng_goes_on": rng_goes_on, "refused": refused, "concurrent": concurrent}))
 """
 
 PROBE = '''
@@ -174,7 +180,8 @@ def test_a_caller_s_torch_modes_and_thread_are_set_aside_for_the_run_and_given_b
     default dtype, deterministic algorithms, anomaly detection and a lower matmul precision: each run works under a
     fresh process's modes (seen from a reward function inside it) and trains as the other does; the thread's run
     says once that it has no signal handlers; afterwards the caller's modes, its random stream, sys.excepthook and
-    threads (no tqdm monitor) are as before; a caller's default device is refused in one line."""
+    threads (no tqdm monitor) are as before; a second run while the thread's goes on, and a caller's default device,
+    are refused in one line."""
     (tmp_path / "probe.py").write_text(PROBE)
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(CALLER), str(tmp_path), str(tmp_path / "probe.py")],
                           capture_output=True, text=True, cwd=ROOT, timeout=600,
@@ -196,3 +203,4 @@ def test_a_caller_s_torch_modes_and_thread_are_set_aside_for_the_run_and_given_b
     assert out["rng_goes_on"]
     assert done.stderr.count("not the main one: no SIGTERM or Ctrl-C handler") == 1
     assert out["refused"].startswith("error: train.main runs under a default device of meta")
+    assert out["concurrent"].startswith("error: train.main is already running in this process")
