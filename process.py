@@ -6,13 +6,13 @@ Borrowed: the SIGTERM and SIGINT handlers (checkpoint.watch_signals; a run in an
 the main one has none, Python allows them only there), sys.excepthook (which torch.distributed
 wraps), threading.excepthook (logs.py's, for tensorboard's writer thread), sys.stdout (Stdout),
 torch's CPU threads (distributed.set_cpu_threads), torch's modes (FRESH: a caller's no_grad,
-inference_mode, float64 default dtype or deterministic algorithms are set aside for the run, which
-works as in a fresh process), the random generators (the run seeds torch's; a caller's sweep draws
-on from where it was), the process group when the run made it, environment variables (a colocated
-vLLM engine's), warnings filters and logger levels, the attention implementations packed models
-stand in front of (packing.BASE), the user's modules (user_code), the paths said (stack.PATHS), and
-the run's own threads: tqdm's monitor, the generation thread and the loggers (main registers those
-two here).
+inference_mode, autocast, float64 default dtype or deterministic algorithms are set aside for the
+run, which works as in a fresh process), the random generators (the run seeds torch's; a caller's
+sweep draws on from where it was), the process group when the run made it, environment variables
+(a colocated vLLM engine's), warnings filters and logger levels, the attention implementations
+packed models stand in front of (packing.BASE), the user's modules (user_code), the paths said
+(stack.PATHS), and the run's own threads: tqdm's monitor, the generation thread and the loggers
+(main registers those two here). One run at a time (RUNNING).
 """
 
 import contextlib
@@ -141,6 +141,8 @@ def lent():
         with contextlib.ExitStack() as opened:
             # a caller's inference_mode or no_grad: torch's inference_mode(False) turns gradients on
             opened.enter_context(torch.inference_mode(False))
+            for device in ("cpu", "cuda")[:1 + torch.cuda.is_available()]:  # a caller's autocast
+                opened.enter_context(torch.autocast(device, enabled=False))
             yield opened
         if dist.is_initialized() and not had_group:  # the run's group, once every rank is done
             distributed.shutdown()

@@ -114,7 +114,8 @@ CALLER = """
     def modes():
         return {"grad": torch.is_grad_enabled(), "inference": torch.is_inference_mode_enabled(),
                 "dtype": str(torch.get_default_dtype()), "deterministic": torch.are_deterministic_algorithms_enabled(),
-                "anomaly": torch.is_anomaly_enabled(), "matmul": torch.get_float32_matmul_precision()}
+                "anomaly": torch.is_anomaly_enabled(), "matmul": torch.get_float32_matmul_precision(),
+                "autocast": torch.is_autocast_enabled("cpu")}
 
     def state():
         return {"excepthook": str(sys.excepthook), "threads": sorted(t.name for t in threading.enumerate())}
@@ -134,7 +135,7 @@ CALLER = """
     before, caller = state(), modes()
 
     def worker():
-        with torch.inference_mode():
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
             results["thread"] = train.main(flags + ["--output_dir", os.path.join(out, "thread")]).metrics
             after["thread"] = modes()
 
@@ -170,13 +171,14 @@ def probe(completions, target, **kwargs):
                             "dtype": str(torch.get_default_dtype()),
                             "deterministic": torch.are_deterministic_algorithms_enabled(),
                             "anomaly": torch.is_anomaly_enabled(),
-                            "matmul": torch.get_float32_matmul_precision()}) + "\\n")
+                            "matmul": torch.get_float32_matmul_precision(),
+                            "autocast": torch.is_autocast_enabled("cpu")}) + "\\n")
     return [sum(a == b for a, b in zip(c, t)) / len(t) for c, t in zip(completions, target)]
 '''
 
 
 def test_a_caller_s_torch_modes_and_thread_are_set_aside_for_the_run_and_given_back(tmp_path):
-    """train.main under a caller's torch.no_grad(); then from a worker thread under inference_mode, a float64
+    """train.main under a caller's torch.no_grad(); then from a worker thread under inference_mode, autocast, a float64
     default dtype, deterministic algorithms, anomaly detection and a lower matmul precision: each run works under a
     fresh process's modes (seen from a reward function inside it) and trains as the other does; the thread's run
     says once that it has no signal handlers; afterwards the caller's modes, its random stream, sys.excepthook and
@@ -189,13 +191,13 @@ def test_a_caller_s_torch_modes_and_thread_are_set_aside_for_the_run_and_given_b
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     fresh = {"grad": True, "inference": False, "dtype": "torch.float32", "deterministic": False, "anomaly": False,
-             "matmul": "highest"}
+             "matmul": "highest", "autocast": False}
     seen = [json.loads(line) for line in (tmp_path / "probe.jsonl").read_text().splitlines()]
     assert len(seen) == 4 and all(modes == fresh for modes in seen), seen
     for key in ("reward", "kl", "grad_norm", "entropy", "completions/mean_length"):
         assert out["results"]["thread"][key] == pytest.approx(out["results"]["no_grad"][key], rel=1e-5), key
     assert out["after"]["no_grad"] == {**fresh, "grad": False}
-    assert out["after"]["thread"] == {**out["caller"], "grad": False, "inference": True}
+    assert out["after"]["thread"] == {**out["caller"], "grad": False, "inference": True, "autocast": True}
     assert out["after"]["process"] == out["caller"] == {**fresh, "dtype": "torch.float64", "deterministic": True,
                                                         "anomaly": True, "matmul": "medium"}
     before, now = out["state"]
