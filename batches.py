@@ -12,13 +12,15 @@ next prompts of the data, generated, and optionally filtered.
   --max_dynamic_sampling_rounds extra rounds, then train on what there is (topped up with dropped
   groups: the batch keeps its shape on every rank).
 
-The data position (prompt batches drawn) is the source's state, not the step's: state() returns it
-and, with async generation, the batches in flight (sampled by weights no checkpoint holds); the
-checkpoint saves both.
+The data position (prompt batches drawn) is the source's state, not the step's: state() returns it,
+what identifies the data at it (data.identity; a resumed run's data is checked against it) and,
+with async generation, the batches in flight (sampled by weights no checkpoint holds); the
+checkpoint saves them.
 """
 
 import collections
 import dataclasses
+import hashlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -131,7 +133,11 @@ class BatchSource:
     def __init__(self, cfg, generator, dataset, rewards, pad_id, saved):
         self.cfg, self.generator, self.rewards, self.pad_id = cfg, generator, rewards, pad_id
         self.position = saved.get("position", 0)
-        self.prompts = data.prompt_batches(dataset, cfg, start=self.position)
+        self.read = hashlib.sha256()  # a stream's prompts this rank has read (data.prompt_batches)
+        self.prompts = data.prompt_batches(dataset, cfg, self.position, self.read)
+        self.identity = data.identity(dataset)  # a dataset's rows; None for a stream
+        if cfg.resume_from_checkpoint:
+            data.check_same_data(cfg, saved.get("data"), self.data(), self.position)
         # (rollout or its future, the step whose weights sampled it) of async generation
         self.in_flight = collections.deque(saved.get("in_flight", []))
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="rloo-generate") \
@@ -167,9 +173,14 @@ class BatchSource:
         for i, (rollout, version) in enumerate(self.in_flight):
             self.in_flight[i] = (finished(rollout), version)
 
+    def data(self):
+        """What identifies the data at this position (data.identity; a stream: the hash of the rows
+        each rank has read, every rank's)."""
+        return self.identity or {"stream": distributed.gather_objects(self.read.hexdigest()[:16])}
+
     def state(self):
         self.wait_for_in_flight()
-        return {"position": self.position, "in_flight": list(self.in_flight)}
+        return {"position": self.position, "in_flight": list(self.in_flight), "data": self.data()}
 
     def close(self):
         """The generation thread, joined before the process group goes, then the generator: once,

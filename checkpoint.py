@@ -109,6 +109,7 @@ class TrainerState:
     window: dict = dataclasses.field(default_factory=dict)  # metrics since the last log line
     position: int = 0  # prompt batches drawn (batches.BatchSource)
     in_flight: list = dataclasses.field(default_factory=list)  # async batches, saved per rank
+    data: dict | None = None  # what identifies the data at the position (batches.BatchSource.data)
 
 
 def resume_or_start(cfg, model, optimizer, scheduler, ref_model=None):
@@ -159,6 +160,12 @@ def watch_signals(device, output_dir):
             timer.daemon = True  # it must not hold the exit
             timer.start()
 
+    if threading.current_thread() is not threading.main_thread():  # Python's rule (README 'Sweeps')
+        if distributed.is_main():
+            print(f"rloo: running in thread {threading.current_thread().name!r}, not the main one: "
+                  "no SIGTERM or Ctrl-C handler, so a signal does not save a checkpoint",
+                  file=sys.stderr)
+        return flag
     for signum in (signal.SIGTERM, signal.SIGINT):  # put back when the run ends (process.py)
         signal.signal(signum, handle)
     return flag
@@ -179,7 +186,8 @@ def stop_for_lost_peer(output_dir, lost, error=None):
     is on another host) and the checkpoint to resume from; then exit at once, as every collective,
     and the interpreter's shutdown, would wait on the dead peer."""
     for signum in (signal.SIGTERM, signal.SIGINT):  # torchrun's SIGTERM must not add a line
-        signal.signal(signum, signal.SIG_IGN)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signum, signal.SIG_IGN)
     if distributed.rank() == min(set(range(distributed.world_size())) - set(lost)):
         for bar in list(tqdm._instances):
             bar.clear()
@@ -248,9 +256,11 @@ def save_checkpoint(cfg, model, optimizer, scheduler, state, vision=False, ref_m
         if distributed.is_main():
             shutil.rmtree(final + ".tmp", ignore_errors=True)
         last = checkpoint_dirs(cfg.output_dir)
-        kept = f"the last complete checkpoint, {last[-1]}, is intact" if last else "nothing is lost"
+        kept = f"the last complete checkpoint, {last[-1]}, is intact" if last else \
+            "no earlier checkpoint exists"
+        then = "resume with --resume_from_checkpoint latest" if last else "run again"
         fail(f"cannot write {final} ({full or ''}{reason(e)}): the partial copy is removed and "
-             f"{kept}. Free disk space, then resume with --resume_from_checkpoint latest")
+             f"{kept}. Free disk space, then {then}")
     if distributed.is_main():
         shutil.rmtree(final, ignore_errors=True)
         os.rename(final + ".tmp", final)
@@ -333,7 +343,7 @@ def find_checkpoint(cfg):
 # On resume the optimizer and scheduler state come back from the checkpoint (as the Hugging Face
 # Trainer does): these flags keep the checkpoint's values; every other flag takes its new value.
 FROM_CHECKPOINT = ("learning_rate", "weight_decay")
-NOT_COMPARED = ("resume_from_checkpoint", "overwrite_output_dir")
+NOT_COMPARED = ("resume_from_checkpoint", "overwrite_output_dir", "accept_data_change")
 
 
 def warn_changed_flags(cfg, state, path):

@@ -113,8 +113,9 @@ def check_eval(cfg):
 def check_logging(cfg):
     if "none" in cfg.report_to and len(cfg.report_to) > 1:
         fail(f"--report_to {' '.join(cfg.report_to)}: none with others; drop none")
-    if "tensorboard" in cfg.report_to and importlib.util.find_spec("tensorboard") is None:
-        fail("--report_to tensorboard needs tensorboard: pip install tensorboard")
+    for sink in ("wandb", "tensorboard"):  # found now, not as an import error after the models load
+        if sink in cfg.report_to and importlib.util.find_spec(sink) is None:
+            fail(f"--report_to {sink} needs {sink}: pip install {sink}")
     try:  # the scheduler takes its kwargs (built on a throwaway optimizer)
         optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)])
         get_scheduler(cfg.lr_scheduler_type, optimizer, num_training_steps=10,
@@ -215,6 +216,7 @@ ONLY_WITH = [
     ("--report_to wandb", lambda c: "wandb" in c.report_to, ["run_name"]),
     ("--save_strategy steps", lambda c: c.save_strategy == "steps",
      ["save_steps", "save_total_limit"]),
+    ("--resume_from_checkpoint", lambda c: c.resume_from_checkpoint, ["accept_data_change"]),
 ]
 
 

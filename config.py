@@ -462,6 +462,11 @@ class Config:
         "The optimizer and scheduler state come from it, as in the Hugging Face Trainer: "
         "--learning_rate and --weight_decay keep the checkpoint's values, every other flag takes "
         "its new one (a warning lists those that changed).")
+    accept_data_change: bool = arg(False,
+        "With --resume_from_checkpoint: go on when the data changed since the checkpoint (rows "
+        "added, removed, reordered or edited; a stream's rows up to the data position), from the "
+        "same data position, so prompts of that epoch may repeat or be skipped. Without it such a "
+        "resume stops with one line.")
     overwrite_output_dir: bool = arg(False,
         "Start afresh in an output_dir that holds another run's checkpoints (deletes them).")
 

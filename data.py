@@ -7,8 +7,11 @@ interrupted one would have. Turning prompts into completions is rollout.py's job
 rewards.py's.
 """
 
+import hashlib
 import itertools
+import json
 import os
+import sys
 
 import torch
 
@@ -388,40 +391,113 @@ def prompt_indices(position, num_rows, prompts_per_rank, seed, shuffle, shard=No
     return order[start:start + prompts_per_rank].tolist()
 
 
-def prompt_batches(dataset, cfg, start):
+def prompt_batches(dataset, cfg, start, digest=None):
     """Rows (a dict of column lists) of every prompt batch from position `start` on, this rank's
     share only.
 
     Map-style: prompt_indices, so resuming at any step is exact. Streaming: each rank reads its own
-    part of the stream (split_dataset_by_node), shuffled in a buffer, skipping what the first
-    `start` steps consumed.
+    part of the stream (split_dataset_by_node), shuffled in a buffer, reading again (now, at
+    start-up) what the first `start` batches consumed; digest (a hashlib object) takes every prompt
+    read, so a resumed run knows whether those rows are the ones its checkpoint's run read.
     """
     P = prompts_per_rank(cfg)
     if hasattr(dataset, "__len__"):
-        for position in itertools.count(start):
-            yield dataset[prompt_indices(position, len(dataset), P, cfg.seed, cfg.shuffle_dataset)]
+        return (dataset[prompt_indices(position, len(dataset), P, cfg.seed, cfg.shuffle_dataset)]
+                for position in itertools.count(start))
+    rows = stream_rows(dataset, cfg, digest or hashlib.sha256())
+    for _ in range(start * P):
+        next(rows)
+    return stream_batches(rows, P)
+
+
+def stream_rows(dataset, cfg, digest):
+    """A stream's rows for this rank, epoch after epoch, each checked and its prompt hashed."""
     from datasets.distributed import split_dataset_by_node
 
     stream = split_dataset_by_node(dataset, rank=distributed.rank(),
                                    world_size=distributed.world_size())
     if cfg.shuffle_dataset:
         stream = stream.shuffle(seed=cfg.seed, buffer_size=1000)
-    rows, to_skip, seen = [], start * P, 0
+    seen = 0
     for epoch in itertools.count():
         stream.set_epoch(epoch)
         for row in stream:
             seen += 1
-            if to_skip:
-                to_skip -= 1
-                continue
             check_prompts([row["prompt"]], "stream", seen - 1)
-            rows.append(row)
-            if len(rows) == P:
-                yield {key: [r[key] for r in rows] for key in rows[0]}
-                rows = []
+            add_prompt(digest, row["prompt"])
+            yield row
         if not seen:
             fail(f"the dataset stream {cfg.dataset!r} gave this rank no rows; check the dataset "
                  "and its split")
+
+
+def stream_batches(rows, P):
+    while True:
+        batch = [next(rows) for _ in range(P)]
+        yield {key: [row[key] for row in batch] for key in batch[0]}
+
+
+def add_prompt(digest, prompt):
+    """One prompt into a hash of prompts in order (images in content parts by their type only)."""
+    text = json.dumps(prompt, sort_keys=True, default=lambda value: type(value).__name__)
+    digest.update(text.encode() + b"\n")
+
+
+def identity(dataset):
+    """What identifies a dataset's rows at a data position (prompt_indices draws from them): their
+    count and a hash of their prompts in order; None for a stream (its rows read so far identify it,
+    prompt_batches' digest)."""
+    if not hasattr(dataset, "__len__"):
+        return None
+    digest = hashlib.sha256()
+    for prompt in dataset["prompt"]:
+        add_prompt(digest, prompt)
+    return {"rows": len(dataset), "prompts": digest.hexdigest()[:16]}
+
+
+def data_change(saved, now):
+    """How the data differs from what a checkpoint recorded (identity, or a stream's {"stream": the
+    hash of each rank's rows read}), or None."""
+    if ("stream" in saved) != ("stream" in now):
+        then, since = ("a stream", "a whole dataset") if "stream" in saved else \
+            ("a whole dataset", "a stream")
+        return f"read as {then} then, as {since} now: --streaming"
+    if "stream" in now and len(saved["stream"]) != len(now["stream"]):
+        then, since = len(saved["stream"]), len(now["stream"])
+        return f"a stream split over {then} processes then, {since} now"
+    if "stream" in now:
+        same = saved["stream"] == now["stream"]
+        return None if same else "the stream's rows up to the data position differ from that run's"
+    if saved["rows"] != now["rows"]:
+        return f"{saved['rows']} rows then, {now['rows']} now"
+    if saved["prompts"] != now["prompts"]:
+        return f"the same {now['rows']} rows, with prompts reordered or edited"
+    return None
+
+
+def check_same_data(cfg, saved, now, position):
+    """A resumed run's data against its checkpoint's (saved: None from an older rloo, unchecked):
+    data changed since would put the data position elsewhere, so prompts of the epoch repeat or go
+    unseen. One line (the same on every rank: each has every rank's record), or with
+    --accept_data_change a warning, and the run goes on from the same position."""
+    if saved is None:
+        if distributed.is_main():
+            print("rloo: the checkpoint records nothing of its data (an older rloo wrote it): "
+                  "resuming without checking that the data is the same", file=sys.stderr)
+        return
+    change = data_change(saved, now)
+    if change is None:
+        return
+    if not cfg.accept_data_change:
+        fail(f"--resume_from_checkpoint {cfg.resume_from_checkpoint}: the data changed since the "
+             f"checkpoint ({change}), so data position {position} would repeat or skip prompts of "
+             "this epoch. Resume with the data it was written with; or start afresh "
+             "(--overwrite_output_dir, no --resume_from_checkpoint); or go on with this data from "
+             "the same position: --accept_data_change")
+    if distributed.is_main():
+        print(f"rloo: WARNING: the data changed since the checkpoint ({change}); going on from "
+              f"data position {position} as --accept_data_change asks: prompts of this epoch may "
+              "repeat or be skipped", file=sys.stderr)
 
 
 def max_images_per_row(dataset):

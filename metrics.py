@@ -1,19 +1,15 @@
 """What a run reports: the generation metrics of a gathered batch (TRL's names; docs/reference.md
-'Metrics'), the names the trainer owns, a timer for the time/* and memory/* phases, and the Logger
-that averages a window of steps and writes metrics.jsonl, the progress bar and wandb.
+'Metrics'), the names the trainer owns, a timer for the time/* and memory/* phases, the completions
+table and the start-up line. The Logger that averages a window of steps and writes them is logs.py.
 
 The collectives that bring every rank's numbers together are in distributed.py; this file only does
-arithmetic and writing. Non-zero ranks get a Logger whose calls do nothing, so the loop has no `if
-rank == 0`.
+arithmetic and printing.
 """
 
-import json
-import math
 import os
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import asdict
 
 import torch
 from tqdm import tqdm
@@ -333,125 +329,6 @@ def completions_table(step, batch, scores, rewards, log_multimodal=True):
                                                        scores.advantages.tolist(), images))]
     columns = ["step", "prompt", "completion", *rewards.names, *extra, "advantage"]
     return columns + (["image"] if with_images else []), table
-
-
-class Logger:
-    """Rank 0 writes metrics.jsonl, a progress bar and wandb; other ranks get the same calls as
-    no-ops."""
-
-    def __init__(self, cfg, total_steps, state, steps_per_epoch=None):
-        """state: where the run starts (checkpoint.TrainerState); resuming restores its metric
-        window and keeps the lines of metrics.jsonl up to its step, dropping those an interrupted
-        run wrote after it. steps_per_epoch (None for a stream) gives the epoch metric."""
-        self.is_main, self.window = distributed.is_main(), state.window
-        self.wandb, self.tensorboard, self.reward, self.last = None, None, math.nan, {}
-        self.printed, self.unique_prompts = cfg.num_completions_to_print, cfg.log_unique_prompts
-        self.logging_steps, self.total_steps = cfg.logging_steps, total_steps
-        self.steps_per_epoch = steps_per_epoch
-        self.step_end = time.perf_counter()  # step_time: wall time between optimizer-step ends
-        if not self.is_main:
-            return
-        resumed_step = state.step if cfg.resume_from_checkpoint else None
-        os.makedirs(cfg.output_dir, exist_ok=True)
-        path = os.path.join(cfg.output_dir, "metrics.jsonl")
-        kept = []
-        if resumed_step is not None and os.path.exists(path):
-            with open(path) as f:
-                kept = [line for line in f if json.loads(line)["step"] <= resumed_step]
-        self.jsonl = open(path, "w")
-        self.jsonl.writelines(kept)
-        self.bar = tqdm(total=total_steps, initial=resumed_step or 0, desc="rloo",
-                        dynamic_ncols=True)
-        if "wandb" in cfg.report_to:
-            import wandb
-            self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "rloo"),
-                                    name=cfg.run_name,
-                                    config=asdict(cfg), dir=cfg.output_dir)
-        if "tensorboard" in cfg.report_to:  # where the Hugging Face Trainer writes them
-            from torch.utils.tensorboard import SummaryWriter
-            self.tensorboard = SummaryWriter(os.path.join(cfg.output_dir, "runs"))
-
-    def add_step(self, metrics):
-        """One optimizer step's metrics into the window, with step_time, and the progress bar one
-        step on."""
-        now = time.perf_counter()
-        metrics = {**metrics, "step_time": now - self.step_end}
-        # later passes of a batch show its reward
-        self.step_end, self.reward = now, metrics.get("reward", self.reward)
-        if self.is_main:
-            self.bar.update(1)
-            self.bar.set_postfix(reward=f"{self.reward:.3f}")
-        for key, value in metrics.items():
-            self.window.setdefault(key, []).append(value)
-
-    def log_if_due(self, step, last=False, **totals):
-        """Every logging_steps steps and at the last (last: the run ends here, before
-        total_steps): log the window (see log). Returns whether it did."""
-        if step % self.logging_steps and step != self.total_steps and not last:
-            return False
-        self.log(step, **totals)
-        return True
-
-    def log(self, step, **totals):
-        """Average the window (skipping NaN), add running totals such as num_tokens as they are,
-        write everywhere."""
-        means = {k: (sum(v) / len(v) if v else None) for k, v in
-                 ((k, [x for x in vs if not math.isnan(x)]) for k, vs in self.window.items())}
-        means.update(totals)
-        if self.steps_per_epoch:  # as the Hugging Face Trainer logs it: passes over the prompts
-            means["epoch"] = step / self.steps_per_epoch
-        self.window, self.last = {}, {"step": step, **means}
-        self.write(step, means)
-        return means
-
-    def write(self, step, metrics):
-        if not self.is_main:
-            return
-        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.jsonl.flush()
-        shown = ["reward", "reward_std", "kl", "entropy", "completions/mean_length", "loss",
-                 "grad_norm", "step_time"]
-        prefix = "eval_" if any(k.startswith("eval_") for k in metrics) else ""
-        values = [(k.split("/")[-1], metrics.get(prefix + k)) for k in shown]
-        self.bar.write(f"step {step}: " + " ".join(f"{prefix}{name}={value:.4g}"
-                                                   for name, value in values if value is not None))
-        if self.wandb:
-            self.wandb.log({k: v for k, v in metrics.items() if v is not None}, step=step)
-        if self.tensorboard:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)):
-                    self.tensorboard.add_scalar(k, v, step)
-            self.tensorboard.flush()
-
-    def completions(self, step, columns, rows):
-        """--log_completions: num_completions_to_print rows to stdout (all by default), and the
-        table to wandb (one row per prompt with log_unique_prompts; images as wandb images)."""
-        if not self.is_main:
-            return
-        self.bar.write(f"step {step} completions:")
-        for row in rows[:self.printed]:
-            cells = [f"{c}={v:.3g}" if isinstance(v, float) else f"{c}={v!r}"
-                     for c, v in zip(columns, row) if c != "image"]
-            self.bar.write("  " + " | ".join(cells))
-        if self.wandb:
-            import wandb
-            if self.unique_prompts:  # the first completion of each prompt
-                firsts = {str(row[1]): row for row in reversed(rows)}
-                rows = [row for row in rows if firsts[str(row[1])] is row]
-            if "image" in columns:
-                rows = [row[:-1] + [None if row[-1] is None else wandb.Image(row[-1])]
-                        for row in rows]
-            self.wandb.log({"completions": wandb.Table(columns=columns, data=rows)}, step=step)
-
-    def close(self):
-        """Once, at the end of the run or on its way out (finish, and process.borrowed)."""
-        if self.is_main and not self.jsonl.closed:
-            self.bar.close()
-            self.jsonl.close()
-            if self.wandb:
-                self.wandb.finish()
-            if self.tensorboard:
-                self.tensorboard.close()
 
 
 def announce(cfg, model, device, total_steps, steps_per_batch):

@@ -17,7 +17,7 @@ clip(rho_i) A_i), rho_i = exp(s_i - s_i_old).
 The math is rloo.py; this file says when it runs and on what. Everything else lives where its
 concept does (README 'Files'): config.py (flags), data.py (prompts), models.py (loading, FSDP2),
 lora.py, rollout.py (our decode loop) and vllm_rollout.py, batches.py (the Rollout batch and where
-a step's batch comes from), forward.py (the training forward), rewards.py, metrics.py,
+a step's batch comes from), forward.py (the training forward), rewards.py, metrics.py, logs.py,
 checkpoint.py, process.py (what a run borrows from its process), stack.py (the versions and device).
 From Python: train.main([...flags]) -> Result (README 'Sweeps').
 """
@@ -59,8 +59,9 @@ from config import EMBEDDED_PRESET, Config, Failed, fail, parse_config  # noqa: 
 from config import generation_steps  # noqa: E402
 from evaluation import Clock, eval_config, evaluate  # noqa: E402
 from health import RunHealth  # noqa: E402
-from metrics import (Logger, announce, batch_metrics, completions_table,  # noqa: E402
-                     sampling_sums, show_samples, step_metrics, timed)
+from logs import Logger  # noqa: E402
+from metrics import (announce, batch_metrics, completions_table, sampling_sums,  # noqa: E402
+                     show_samples, step_metrics, timed)
 from rewards import load_rewards  # noqa: E402
 from rloo import (combine_rewards, estimate_advantages, has_baseline,  # noqa: E402
                   normalize_advantages, rloo_loss, sequence_kl)
@@ -337,8 +338,7 @@ def finish(r, stopped, step):
     elif not stopped:
         checkpoint.save_hf(r.model, r.saver, cfg.output_dir)
     if not stopped and distributed.is_main():
-        print(f"rloo: metrics in {os.path.join(cfg.output_dir, 'metrics.jsonl')}, final model in "
-              f"{cfg.output_dir}")
+        print(f"rloo: metrics in {r.logger.where()}, final model in {cfg.output_dir}")
     r.source.close()  # the generation thread, then the generator (a colocated engine: the group)
     return Result(cfg.output_dir, step, r.logger.last, stopped, dict(stack.PATHS))
 
@@ -393,9 +393,9 @@ def start(cfg, device, opened):
     optimizer, scheduler, total_steps = make_optimization(cfg, model, dataset, device)
     rewards.max_steps, rewards.steps_per_epoch = total_steps, steps_per_epoch(cfg, dataset)
     state = checkpoint.resume_or_start(cfg, model, optimizer, scheduler, ref_model)
-    logger = opened.enter_context(closing(Logger(cfg, total_steps, state, rewards.steps_per_epoch)))
     source = opened.enter_context(closing(BatchSource(cfg, generator, dataset, rewards,
                                                       tokenizer.pad_token_id, vars(state))))
+    logger = opened.enter_context(closing(Logger(cfg, total_steps, state, rewards.steps_per_epoch)))
     return Run(cfg, model, ref_model, processor or tokenizer, vision, rewards, eval_sets,
                eval_generator, optimizer, scheduler, total_steps, state,
                checkpoint.watch_signals(device, cfg.output_dir), RunHealth(cfg), logger, source)

@@ -131,7 +131,8 @@ OWNERS = {"--model": dict(model="m"), "--use_peft": dict(use_peft=True),
           "--vllm_importance_sampling_correction": dict(vllm_importance_sampling_correction=True),
           "--async_generation": dict(async_generation=True), "--dynamic_sampling": dict(dynamic_sampling=True),
           "--log_completions": dict(log_completions=True), "--report_to wandb": dict(report_to=["wandb"]),
-          "--save_strategy steps": dict(save_strategy="steps")}
+          "--save_strategy steps": dict(save_strategy="steps"),
+          "--resume_from_checkpoint": dict(resume_from_checkpoint="latest")}
 ABSENT = {"a KL term (--beta > 0)": dict(beta=0.0), "--save_strategy steps": dict(save_strategy="no")}
 NAMED = {"vllm_mode": "server", "kl_estimator": "k3", "vllm_weight_sync": "file",
          "vllm_importance_sampling_mode": "sequence_truncate"}

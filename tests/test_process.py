@@ -100,3 +100,109 @@ def test_the_readmes_sweep_runs_as_written(tmp_path):
     printed = [line.split() for line in done.stdout.splitlines() if re.match(r"^[\d.e-]+ [\d.]+$", line)]
     assert [lr for lr, _ in printed] == ["0.0003", "0.001", "0.003"], done.stdout[-2000:]
     assert sorted(os.listdir(tmp_path / "runs")) == ["lr0.0003", "lr0.001", "lr0.003"]
+
+
+CALLER = """
+    import json, os, sys, threading, time
+    import torch
+    import train
+
+    out, reward_file = sys.argv[1], sys.argv[2]
+    flags = ["--max_steps", "2", "--logging_steps", "1", "--per_device_train_batch_size", "16", "--num_generations",
+             "4", "--save_strategy", "no", "--reward_funcs", reward_file + ":probe"]
+
+    def modes():
+        return {"grad": torch.is_grad_enabled(), "inference": torch.is_inference_mode_enabled(),
+                "dtype": str(torch.get_default_dtype()), "deterministic": torch.are_deterministic_algorithms_enabled(),
+                "anomaly": torch.is_anomaly_enabled(), "matmul": torch.get_float32_matmul_precision(),
+                "autocast": torch.is_autocast_enabled("cpu")}
+
+    def state():
+        return {"excepthook": str(sys.excepthook), "threads": sorted(t.name for t in threading.enumerate())}
+
+    results, after = {}, {}
+    with torch.no_grad():  # a notebook's evaluation cell, then a run
+        results["no_grad"] = train.main(flags + ["--output_dir", os.path.join(out, "no_grad")]).metrics
+        after["no_grad"] = modes()
+    torch.manual_seed(123)
+    drawn = torch.rand(2)
+    torch.manual_seed(123)
+    torch.rand(1)  # the caller's sweep draws one number, trains, draws the next
+    torch.set_default_dtype(torch.float64)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.autograd.set_detect_anomaly(True)
+    torch.set_float32_matmul_precision("medium")
+    before, caller = state(), modes()
+
+    def worker():
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            results["thread"] = train.main(flags + ["--output_dir", os.path.join(out, "thread")]).metrics
+            after["thread"] = modes()
+
+    thread = threading.Thread(target=worker, name="sweep-worker")
+    thread.start()
+    while thread.is_alive() and len(open(os.environ["PROBE_FILE"]).readlines()) < 3:  # the thread's run scores
+        time.sleep(0.01)
+    try:
+        train.main(flags + ["--output_dir", os.path.join(out, "second")])  # a second run meanwhile
+    except train.Failed as e:
+        concurrent = str(e)
+    thread.join()
+    rng_goes_on = torch.rand(1, dtype=torch.float32).item() == drawn[1].item()
+    after["process"] = modes()
+    try:
+        with torch.device("meta"):
+            train.main(flags + ["--output_dir", os.path.join(out, "meta")])
+    except train.Failed as e:
+        refused = str(e)
+    print(json.dumps({"results": results, "after": after, "caller": caller, "state": [before, state()],
+                      "rng_goes_on": rng_goes_on, "refused": refused, "concurrent": concurrent}))
+"""
+
+PROBE = '''
+import json, os
+import torch
+
+
+def probe(completions, target, **kwargs):
+    """The modes the run works under, seen from user code inside it."""
+    with open(os.environ["PROBE_FILE"], "a") as f:
+        f.write(json.dumps({"grad": torch.is_grad_enabled(), "inference": torch.is_inference_mode_enabled(),
+                            "dtype": str(torch.get_default_dtype()),
+                            "deterministic": torch.are_deterministic_algorithms_enabled(),
+                            "anomaly": torch.is_anomaly_enabled(),
+                            "matmul": torch.get_float32_matmul_precision(),
+                            "autocast": torch.is_autocast_enabled("cpu")}) + "\\n")
+    return [sum(a == b for a, b in zip(c, t)) / len(t) for c, t in zip(completions, target)]
+'''
+
+
+def test_a_caller_s_torch_modes_and_thread_are_set_aside_for_the_run_and_given_back(tmp_path):
+    """train.main under a caller's torch.no_grad(); then from a worker thread under inference_mode, autocast, a float64
+    default dtype, deterministic algorithms, anomaly detection and a lower matmul precision: each run works under a
+    fresh process's modes (seen from a reward function inside it) and trains as the other does; the thread's run
+    says once that it has no signal handlers; afterwards the caller's modes, its random stream, sys.excepthook and
+    threads (no tqdm monitor) are as before; a second run while the thread's goes on, and a caller's default device,
+    are refused in one line."""
+    (tmp_path / "probe.py").write_text(PROBE)
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(CALLER), str(tmp_path), str(tmp_path / "probe.py")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PROBE_FILE": str(tmp_path / "probe.jsonl")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    fresh = {"grad": True, "inference": False, "dtype": "torch.float32", "deterministic": False, "anomaly": False,
+             "matmul": "highest", "autocast": False}
+    seen = [json.loads(line) for line in (tmp_path / "probe.jsonl").read_text().splitlines()]
+    assert len(seen) == 4 and all(modes == fresh for modes in seen), seen
+    for key in ("reward", "kl", "grad_norm", "entropy", "completions/mean_length"):
+        assert out["results"]["thread"][key] == pytest.approx(out["results"]["no_grad"][key], rel=1e-5), key
+    assert out["after"]["no_grad"] == {**fresh, "grad": False}
+    assert out["after"]["thread"] == {**out["caller"], "grad": False, "inference": True, "autocast": True}
+    assert out["after"]["process"] == out["caller"] == {**fresh, "dtype": "torch.float64", "deterministic": True,
+                                                        "anomaly": True, "matmul": "medium"}
+    before, now = out["state"]
+    assert now == before and "tqdm_monitor" not in now["threads"], (before, now)
+    assert out["rng_goes_on"]
+    assert done.stderr.count("not the main one: no SIGTERM or Ctrl-C handler") == 1
+    assert out["refused"].startswith("error: train.main runs under a default device of meta")
+    assert out["concurrent"].startswith("error: train.main is already running in this process")

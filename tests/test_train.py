@@ -6,6 +6,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -469,6 +470,97 @@ def kill_after_checkpoint(args, out, torchrun):
     # the launcher and every worker (torchrun starts workers in sessions of their own), no chance to clean up
     subprocess.run(["pkill", "-KILL", "-f", "--", f"--output_dir {out}"])
     proc.wait()
+
+
+DATA_FLAGS = ["--max_steps", "4", "--save_steps", "2", "--logging_steps", "1", "--per_device_train_batch_size", "16",
+              "--num_generations", "4"]
+STREAM = ["--streaming", "--shuffle_dataset", "false"]  # in file order: rows appended at the end come after
+
+
+def write_rows(path, numbers):
+    path.write_text("".join(json.dumps({"prompt": f"{n:04d}=", "target": f"{n:04d}"}) + "\n" for n in numbers))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def checkpointed(tmp_path_factory):
+    """4-step runs over a 64-row file, checkpointed at steps 2 and 4: read whole (shuffled) and as a stream."""
+    base = tmp_path_factory.mktemp("data_runs")
+    data_file = write_rows(base / "data.jsonl", range(1000, 1064))
+    for name, extra in (("dataset", []), ("stream", STREAM)):
+        done = run(DATA_FLAGS + extra + ["--dataset", data_file, "--output_dir", str(base / name)])
+        assert done.returncode == 0, done.stderr[-3000:]
+    return base
+
+
+def resume_changed(checkpointed, tmp_path, name, numbers, extra=()):
+    """A copy of the `name` run resumed from checkpoint-2 over a file of `numbers`."""
+    out = tmp_path / name
+    shutil.copytree(checkpointed / name, out)
+    data_file = write_rows(tmp_path / "changed.jsonl", numbers)
+    flags = STREAM if name == "stream" else []
+    return out, run(DATA_FLAGS + flags + [*extra, "--dataset", data_file, "--output_dir", str(out),
+                                          "--resume_from_checkpoint", str(out / "checkpoint-2")])
+
+
+ROWS = list(range(1000, 1064))
+
+
+@pytest.mark.parametrize("name, numbers, extra, change", [
+    ("dataset", ROWS + list(range(2000, 2008)), [], "64 rows then, 72 now"),
+    ("dataset", ROWS[:-8], [], "64 rows then, 56 now"),
+    ("dataset", ROWS[::-1], [], "the same 64 rows, with prompts reordered or edited"),
+    ("dataset", ROWS, STREAM, "read as a whole dataset then, as a stream now: --streaming"),
+    ("stream", ROWS[4:], [], "the stream's rows up to the data position differ from that run's"),
+    ("stream", ROWS[::-1], [], "the stream's rows up to the data position differ from that run's"),
+], ids=["appended", "removed", "reordered", "now-streamed", "stream-removed", "stream-reordered"])
+def test_a_resume_on_data_changed_since_its_checkpoint_is_one_line(checkpointed, tmp_path, name, numbers, extra,
+                                                                   change):
+    """Rows appended, removed or reordered since the checkpoint (a stream: among the rows read up to its data
+    position; or the same file read the other way): the old data position would repeat or skip prompts, so the
+    resume stops at start-up with one line saying how to start over or accept the change, and metrics.jsonl keeps
+    every line."""
+    out, done = resume_changed(checkpointed, tmp_path, name, numbers, extra)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.splitlines()[-1] == (
+        f"error: --resume_from_checkpoint {out / 'checkpoint-2'}: the data changed since the checkpoint ({change}), "
+        "so data position 2 would repeat or skip prompts of this epoch. Resume with the data it was written with; "
+        "or start afresh (--overwrite_output_dir, no --resume_from_checkpoint); or go on with this data from the "
+        "same position: --accept_data_change")
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
+
+
+def test_a_resume_goes_on_where_the_data_allows_or_is_told_to(checkpointed, tmp_path):
+    """--accept_data_change goes on over the changed data from the same position, saying so, and its checkpoints
+    record the new data; a stream whose rows were appended after those read resumes as if nothing changed (the
+    uninterrupted run's metrics); a checkpoint from an older rloo (no record of its data) resumes, saying it is not
+    checked, and so does a metrics.jsonl whose last line a kill or a full disk cut short."""
+    out, done = resume_changed(checkpointed, tmp_path, "dataset", ROWS + list(range(2000, 2008)),
+                               ["--accept_data_change"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ("rloo: WARNING: the data changed since the checkpoint (64 rows then, 72 now); going on from data "
+            "position 2 as --accept_data_change asks: prompts of this epoch may repeat or be skipped") in done.stderr
+    assert json.load(open(out / "checkpoint-4" / "trainer_state.json"))["data"]["rows"] == 72
+    out, done = resume_changed(checkpointed, tmp_path / "appended", "stream", ROWS + list(range(2000, 2032)))
+    assert done.returncode == 0 and "data changed" not in done.stderr, done.stderr[-3000:]
+    for whole, resumed in zip(read_metrics(checkpointed / "stream")[2:], read_metrics(out)[2:]):
+        for key in ("reward", "loss", "grad_norm", "kl", "entropy"):
+            assert resumed[key] == pytest.approx(whole[key], rel=1e-6, abs=1e-9), (whole["step"], key)
+    old = tmp_path / "old"
+    shutil.copytree(checkpointed / "dataset", old)
+    state_file, manifest_file = old / "checkpoint-2" / "trainer_state.json", old / "checkpoint-2" / "manifest.json"
+    state, manifest = json.load(open(state_file)), json.load(open(manifest_file))
+    del state["data"]
+    state_file.write_text(json.dumps(state))
+    manifest["files"]["trainer_state.json"] = os.path.getsize(state_file)
+    manifest_file.write_text(json.dumps(manifest))
+    with open(old / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "rew')
+    done = run(DATA_FLAGS + ["--dataset", str(checkpointed / "data.jsonl"), "--output_dir", str(old),
+                             "--resume_from_checkpoint", str(old / "checkpoint-2")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "the checkpoint records nothing of its data (an older rloo wrote it)" in done.stderr
+    assert [m["step"] for m in read_metrics(old)] == [1, 2, 3, 4]
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
