@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 import distributed
 import packing
+from metrics import note_memory
 from rloo import sampling_mask, token_logps_and_entropy
 
 
@@ -125,7 +126,9 @@ def forward_logps(model, batch, rows, temperature, chunked=None, router_aux=Fals
 
 def scored(per_token, T, aux):
     """[b, T, C] from LogpsHead.score -> logps, entropy, T, aux, flips ([b, T] 0/1, or None
-    without --replay_sampling_mask)."""
+    without --replay_sampling_mask). The memory in use is read into the open phases here, where a
+    training forward holds the most: its activations, before backward frees them."""
+    note_memory()
     flips = per_token[..., 2].detach() if per_token.shape[-1] == 3 else None
     return per_token[..., 0], per_token[..., 1], T, aux, flips
 

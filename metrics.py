@@ -10,7 +10,6 @@ rank == 0`.
 import json
 import math
 import os
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -50,25 +49,40 @@ def timed(timings, name):
     MiB, to memory/<phase> (the largest over the step's calls). On a GPU each end of the block is
     a CUDA event on the current stream, so the kernels it queued count in it, not in the phase
     after; the seconds are Spans until settle() reads them, once a step (one synchronization, none
-    per phase or micro-batch). Nothing here resets a process-wide peak: memory/run_peak and any
-    outside reading of the process's peak stay true."""
-    start, phase = mark(), {"peak": in_use()}
+    per phase or micro-batch). Memory is read at the block's ends and where note_memory() is called
+    inside it, no thread and nothing polled (a decode loop on a GPU is bound by kernel launches,
+    and the GIL a polling thread takes stalls it). Nothing here resets a process-wide peak:
+    memory/run_peak and any outside reading of the process's peak stay true."""
+    if not MEASURE[0]:  # bench.py's run without measuring, for the cost of measuring: NaN
+        yield
+        merge_timings(timings, {name: math.nan})
+        return
+    start = mark()
+    now, high = memory()
+    phase = {"peak": now, "high": high}
     OPEN_PHASES.append(phase)
-    sampler = MemorySampler() if len(OPEN_PHASES) == 1 else None  # one for the outermost phase
     try:
         yield
     finally:
-        if sampler is not None:
-            sampler.stop()
-        for frame in OPEN_PHASES:
-            frame["peak"] = max(frame["peak"], in_use())
+        note_memory()
         OPEN_PHASES.pop()  # this one: phases nest
         merge_timings(timings, {name: Spans([(start, mark())]),
                                 "memory/" + name.split("/", 1)[-1]: phase["peak"]})
 
 
-OPEN_PHASES = []  # the timed() blocks running, innermost last: {"peak": MiB seen so far}
-SAMPLE_EVERY = 0.002  # seconds between two readings of the memory in use during a phase
+OPEN_PHASES = []  # the timed() blocks running, innermost last: {"peak": MiB, "high": at start}
+MEASURE = [True]  # False: timed() measures nothing (bench.py's cost of measuring)
+
+
+def note_memory():
+    """Read the memory in use into every open phase's peak: at each phase's ends, and where a phase
+    holds the most (a training forward's activations before backward, forward.py). A phase during
+    which the process's high-water mark rose gets that mark, its exact peak; otherwise the largest
+    reading, a lower bound. A few microseconds: /proc/self/status, or the CUDA allocator's stats."""
+    if OPEN_PHASES:
+        now, high = memory()
+        for frame in OPEN_PHASES:
+            frame["peak"] = max(frame["peak"], high if high > frame["high"] else now)
 
 
 class Spans(list):
@@ -125,51 +139,35 @@ def settle(metrics):
 SYNCS = [0]  # settle()'s synchronizations: one a step (a test counts them)
 
 
-def in_use():
-    """MiB in use now: the GPU allocator's, else this process's resident set (0 where unknown)."""
+def memory():
+    """(MiB in use now, MiB at most in use since the process started): the GPU allocator's current
+    and high-water mark, else this process's resident set and its peak (Linux's VmRSS and VmHWM);
+    (0, 0) where unknown. No code of rloo resets either peak."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.memory_allocated() / 2**20
+        allocated = torch.cuda.memory_stats_as_nested_dict()["allocated_bytes"]["all"]  # one call
+        return allocated["current"] / 2**20, allocated["peak"] / 2**20
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * PAGE / 2**20
+        with open("/proc/self/status", "rb") as f:
+            status = f.read()
+        return kib(status, b"VmRSS:") / 1024, kib(status, b"VmHWM:") / 1024
     except (OSError, IndexError, ValueError):
-        return 0.0
+        return 0.0, 0.0
 
 
-PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+def kib(status, field):
+    """The kB figure of one field of /proc/self/status."""
+    at = status.index(field) + len(field)
+    return int(status[at:status.index(b"kB", at)])
 
 
-class MemorySampler:
-    """A thread that reads the memory in use every SAMPLE_EVERY seconds into every open phase: a
-    phase's peak without resetting the process's (a spike shorter than that may fall between two
-    readings; memory/run_peak is exact)."""
-
-    def __init__(self):
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self.sample, name="rloo-memory", daemon=True)
-        self.thread.start()
-
-    def sample(self):
-        while not self.done.wait(SAMPLE_EVERY):
-            now = in_use()
-            for frame in tuple(OPEN_PHASES):
-                frame["peak"] = max(frame["peak"], now)
-
-    def stop(self):
-        self.done.set()
-        self.thread.join()
+def in_use():
+    """MiB in use now (memory)."""
+    return memory()[0]
 
 
 def run_peak():
-    """MiB at most in use since the process started: the GPU allocator's high-water mark, else the
-    peak resident set (Linux's VmHWM). No code of rloo resets either."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.max_memory_allocated() / 2**20
-    try:
-        with open("/proc/self/status") as f:
-            return int(f.read().split("VmHWM:")[1].split()[0]) / 1024
-    except (OSError, IndexError, ValueError):
-        return 0.0
+    """MiB at most in use since the process started (memory): memory/run_peak, exact."""
+    return memory()[1]
 
 
 def nanstd(x):

@@ -7,7 +7,8 @@ torch.distributed wraps), torch's CPU threads (distributed.set_cpu_threads), the
 the run made it, environment variables (a colocated vLLM engine's), warnings filters and logger
 levels, the attention implementations packed models stand in front of (packing.BASE), the user's
 modules (user_code), the paths said (stack.PATHS), and the run's own threads: tqdm's monitor, the
-generation thread and the loggers (main registers those two here).
+generation thread and the loggers (main registers those two here), the slow reward call's
+watcher.
 """
 
 import contextlib
@@ -24,6 +25,7 @@ from tqdm import tqdm
 
 import distributed
 import packing
+import reward_calls
 import stack
 import user_code
 
@@ -38,7 +40,7 @@ def borrowed():
     threads, environ, filters = torch.get_num_threads(), dict(os.environ), warnings.filters[:]
     levels = {name: logger.level for name, logger in logging.root.manager.loggerDict.items()
               if isinstance(logger, logging.Logger)}
-    had_group, monitor = dist.is_initialized(), tqdm.monitor
+    had_group, monitor, watcher = dist.is_initialized(), tqdm.monitor, reward_calls.WATCHER[0]
     stack.PATHS.clear()
     try:
         with contextlib.ExitStack() as opened:
@@ -63,4 +65,6 @@ def borrowed():
         if tqdm.monitor is not monitor:  # the thread tqdm starts with the first progress bar
             tqdm.monitor.exit()
             tqdm.monitor = monitor
+        if reward_calls.WATCHER[0] is not watcher:  # the thread that warns of a slow reward call
+            reward_calls.stop_watching()
         gc.collect()  # the run's models and their FSDP2 process groups, whose gloo threads join

@@ -21,6 +21,7 @@ from transformers.generation.logits_process import SuppressTokensLogitsProcessor
 import stack
 from batches import Rollout
 from forward import micro_batches
+from metrics import note_memory
 from prompting import (eos_token_ids, image_token_ids, pad, pixel_inputs_for, prompt_tensors,
                      row_images, tokenize_prompts)
 from sampler_rules import sampling_filter
@@ -372,6 +373,7 @@ def decode(model, prompt_ids, prompt_mask, cfg, eos_ids, pad_id, keys, static=No
                    use_cache=True)
         positions = positions + own[:, None]
     state.filled = L + t  # the last token is sampled, not yet fed
+    note_memory()  # the generation phase's peak: the KV cache full (read once, not per token)
     return ids[:, L:L + t + 1].clone(), logps[:, :t + 1]
 
 
