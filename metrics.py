@@ -10,6 +10,7 @@ rank == 0`.
 import json
 import math
 import os
+import resource
 import time
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -57,9 +58,7 @@ def timed(timings, name):
         yield
         merge_timings(timings, {name: math.nan})
         return
-    start = mark()
-    now, high = memory()
-    phase = {"peak": now, "high": high}
+    start, phase = mark(), {"peak": 0.0, "high": high_water()}  # read at its end (note_memory)
     OPEN_PHASES.append(phase)
     try:
         yield
@@ -78,7 +77,8 @@ def note_memory():
     """Read the memory in use into every open phase's peak: at each phase's ends, and where a phase
     holds the most (a training forward's activations before backward, forward.py). A phase during
     which the process's high-water mark rose gets that mark, its exact peak; otherwise the largest
-    reading, a lower bound. A few microseconds: /proc/self/status, or the CUDA allocator's stats."""
+    reading, a lower bound. A few microseconds: /proc/self/statm and getrusage, or the CUDA
+    allocator's stats."""
     if OPEN_PHASES:
         now, high = memory()
         for frame in OPEN_PHASES:
@@ -140,24 +140,28 @@ SYNCS = [0]  # settle()'s synchronizations: one a step (a test counts them)
 
 
 def memory():
-    """(MiB in use now, MiB at most in use since the process started): the GPU allocator's current
-    and high-water mark, else this process's resident set and its peak (Linux's VmRSS and VmHWM);
-    (0, 0) where unknown. No code of rloo resets either peak."""
+    """(MiB in use now, high_water()): the GPU allocator's, else this process's resident set
+    (Linux's /proc/self/statm); 0 where unknown."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         allocated = torch.cuda.memory_stats_as_nested_dict()["allocated_bytes"]["all"]  # one call
         return allocated["current"] / 2**20, allocated["peak"] / 2**20
     try:
-        with open("/proc/self/status", "rb") as f:
-            status = f.read()
-        return kib(status, b"VmRSS:") / 1024, kib(status, b"VmHWM:") / 1024
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * PAGE / 2**20, high_water()
     except (OSError, IndexError, ValueError):
-        return 0.0, 0.0
+        return 0.0, high_water()
 
 
-def kib(status, field):
-    """The kB figure of one field of /proc/self/status."""
-    at = status.index(field) + len(field)
-    return int(status[at:status.index(b"kB", at)])
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def high_water():
+    """MiB, the most in use so far, to tell whether a phase raised it (a microsecond): the GPU
+    allocator's high-water mark, else getrusage's ru_maxrss (VmHWM, or a larger figure carried
+    over exec from the parent: it then rises only past that). Nothing in rloo resets either."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.memory_stats_as_nested_dict()["allocated_bytes"]["all"]["peak"] / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def in_use():
@@ -166,8 +170,15 @@ def in_use():
 
 
 def run_peak():
-    """MiB at most in use since the process started (memory): memory/run_peak, exact."""
-    return memory()[1]
+    """MiB at most in use since the process started, exact (memory/run_peak): the GPU allocator's
+    high-water mark, else Linux's VmHWM (this process's own, unlike ru_maxrss)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**20
+    try:
+        with open("/proc/self/status") as f:
+            return int(f.read().split("VmHWM:")[1].split()[0]) / 1024
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def nanstd(x):
