@@ -10,7 +10,6 @@ rank == 0`.
 import json
 import math
 import os
-import resource
 import time
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -58,12 +57,14 @@ def timed(timings, name):
         yield
         merge_timings(timings, {name: math.nan})
         return
-    start, phase = mark(), {"peak": 0.0, "high": high_water()}  # read at its end (note_memory)
+    start, phase = mark(), {"peak": 0.0, "high": memory()[1]}
     OPEN_PHASES.append(phase)
     try:
         yield
     finally:
-        note_memory()
+        now, high = memory()
+        for frame in OPEN_PHASES:  # a phase that raised the high-water mark had it as its peak
+            frame["peak"] = max(frame["peak"], high if high > frame["high"] else now)
         OPEN_PHASES.pop()  # this one: phases nest
         merge_timings(timings, {name: Spans([(start, mark())]),
                                 "memory/" + name.split("/", 1)[-1]: phase["peak"]})
@@ -74,15 +75,14 @@ MEASURE = [True]  # False: timed() measures nothing (bench.py's cost of measurin
 
 
 def note_memory():
-    """Read the memory in use into every open phase's peak: at each phase's ends, and where a phase
-    holds the most (a training forward's activations before backward, forward.py). A phase during
-    which the process's high-water mark rose gets that mark, its exact peak; otherwise the largest
-    reading, a lower bound. A few microseconds: /proc/self/statm and getrusage, or the CUDA
-    allocator's stats."""
+    """Read the memory in use into every open phase's peak where a phase holds the most (a training
+    forward's activations before backward, forward.py; the full KV cache, rollout.py). A phase's
+    ends are read too, and one during which the process's high-water mark rose gets that mark, its
+    exact peak; otherwise its largest reading, a lower bound. A few microseconds each."""
     if OPEN_PHASES:
-        now, high = memory()
+        now = in_use()
         for frame in OPEN_PHASES:
-            frame["peak"] = max(frame["peak"], high if high > frame["high"] else now)
+            frame["peak"] = max(frame["peak"], now)
 
 
 class Spans(list):
@@ -140,45 +140,49 @@ SYNCS = [0]  # settle()'s synchronizations: one a step (a test counts them)
 
 
 def memory():
-    """(MiB in use now, high_water()): the GPU allocator's, else this process's resident set
-    (Linux's /proc/self/statm); 0 where unknown."""
+    """(MiB in use now, MiB at most in use since the process started): the GPU allocator's, else
+    this process's resident set and its high-water mark (Linux's VmRSS and VmHWM: its own, unlike
+    getrusage's ru_maxrss, which carries a parent's over exec); 0 where unknown. Nothing in rloo
+    resets either peak."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         allocated = torch.cuda.memory_stats_as_nested_dict()["allocated_bytes"]["all"]  # one call
         return allocated["current"] / 2**20, allocated["peak"] / 2**20
+    status = proc_self("status")
+    return kib(status, b"VmRSS:") / 1024, kib(status, b"VmHWM:") / 1024
+
+
+def kib(status, field):
+    """The kB figure of one field of /proc/self/status (0 where it is missing)."""
+    at = status.find(field)
+    return int(status[at + len(field):status.index(b"kB", at)]) if at >= 0 else 0
+
+
+def proc_self(name):
+    """/proc/self/<name>'s bytes (b"" off Linux): no Python file object, a few microseconds."""
     try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * PAGE / 2**20, high_water()
-    except (OSError, IndexError, ValueError):
-        return 0.0, high_water()
+        fd = os.open(f"/proc/self/{name}", os.O_RDONLY)
+    except OSError:
+        return b""
+    try:
+        return os.read(fd, 8192)
+    finally:
+        os.close(fd)
+
+
+def in_use():
+    """MiB in use now (memory's first figure, cheaper on a CPU: /proc/self/statm)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return memory()[0]
+    resident = proc_self("statm").split()[1:2]
+    return int(resident[0]) * PAGE / 2**20 if resident else 0.0
 
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def high_water():
-    """MiB, the most in use so far, to tell whether a phase raised it (a microsecond): the GPU
-    allocator's high-water mark, else getrusage's ru_maxrss (VmHWM, or a larger figure carried
-    over exec from the parent: it then rises only past that). Nothing in rloo resets either."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.memory_stats_as_nested_dict()["allocated_bytes"]["all"]["peak"] / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def in_use():
-    """MiB in use now (memory)."""
-    return memory()[0]
-
-
 def run_peak():
-    """MiB at most in use since the process started, exact (memory/run_peak): the GPU allocator's
-    high-water mark, else Linux's VmHWM (this process's own, unlike ru_maxrss)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.max_memory_allocated() / 2**20
-    try:
-        with open("/proc/self/status") as f:
-            return int(f.read().split("VmHWM:")[1].split()[0]) / 1024
-    except (OSError, IndexError, ValueError):
-        return 0.0
+    """MiB at most in use since the process started, exact (memory/run_peak; memory)."""
+    return memory()[1]
 
 
 def nanstd(x):

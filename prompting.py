@@ -28,9 +28,16 @@ def repeat_each(values, G):
 
 def pad(pieces, value, left=False):
     """Rows of different lengths (id lists, or [b, t] tensors) -> one [rows, longest] tensor padded
-    with value, on the left (prompts, so that each ends where generation starts) or the right."""
-    pieces = [p if isinstance(p, torch.Tensor) else torch.tensor([p], dtype=None if p else int)
-              for p in pieces]
+    with value, on the left (prompts, so that each ends where generation starts) or the right.
+    Lists become one tensor at once (int64; float32 or bool where they hold those), not one a
+    row."""
+    if not any(isinstance(p, torch.Tensor) for p in pieces):
+        width = max(map(len, pieces))
+        rows = [[value] * (width - len(p)) + list(p) if left else list(p) + [value] * (width - len(p))
+                for p in pieces]
+        kinds = {type(x) for p in pieces for x in p[:1]}
+        dtype = torch.float32 if float in kinds else torch.bool if kinds == {bool} else torch.long
+        return torch.tensor(rows, dtype=dtype)
     width = max(p.shape[1] for p in pieces)
     return torch.cat([F.pad(p, (width - p.shape[1], 0) if left else (0, width - p.shape[1]),
                             value=value) for p in pieces])
@@ -92,8 +99,8 @@ def tokenize_prompts(tokenizer, prompts, chat_template_kwargs=None):
 
 def prompt_tensors(id_lists, pad_id, G, device):
     """Each prompt's ids G times, left-padded -> prompt_ids, prompt_mask [P * G, longest]."""
-    ids = pad(repeat_each(id_lists, G), pad_id, left=True)
-    mask = pad(repeat_each([[1] * len(p) for p in id_lists], G), 0, left=True)
+    ids = pad(id_lists, pad_id, left=True).repeat_interleave(G, 0)
+    mask = pad([[1] * len(p) for p in id_lists], 0, left=True).repeat_interleave(G, 0)
     return ids.to(device), mask.to(device)
 
 
