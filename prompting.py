@@ -33,8 +33,8 @@ def pad(pieces, value, left=False):
     row."""
     if not any(isinstance(p, torch.Tensor) for p in pieces):
         width = max(map(len, pieces))
-        rows = [[value] * (width - len(p)) + list(p) if left else list(p) + [value] * (width - len(p))
-                for p in pieces]
+        fill = [[value] * (width - len(p)) for p in pieces]
+        rows = [f + list(p) if left else list(p) + f for f, p in zip(fill, pieces)]
         kinds = {type(x) for p in pieces for x in p[:1]}
         dtype = torch.float32 if float in kinds else torch.bool if kinds == {bool} else torch.long
         return torch.tensor(rows, dtype=dtype)
