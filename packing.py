@@ -278,6 +278,39 @@ def check_packable(config):
                          "would carry state from one packed sequence into the next; drop the flag")
 
 
+def choose_padding_free(cfg, model, vision, device):
+    """--padding_free unset: packed rows where they give the padded forward's numbers and are the
+    faster (a CPU: 1.2-2.6x in the training phase, less memory, docs/benchmark.md), else padded;
+    said once either way."""
+    if cfg.padding_free is not None:
+        stack.took("training rows", "packed" if cfg.padding_free else "padded",
+                   f"--padding_free {str(cfg.padding_free).lower()}")
+        return
+    why = unpackable(model.config, vision, cfg.pad_to_multiple_of) or (
+        "a GPU: FlashAttention's varlen kernel is not measured on one yet (gpu_check.py's "
+        "packed variant)" if device.type == "cuda" else None)
+    cfg.padding_free = why is None
+    stack.took("training rows", "packed" if why is None else "padded",
+               f"--padding_free unset: {why or 'a CPU, and the model allows it'}; "
+               "--padding_free true/false overrides")
+
+
+def unpackable(config, vision, pad_to):
+    """Why a run's rows cannot be packed (None: they can): images, rounded lengths, or a model
+    whose attention the packed one does not implement (recurrent or sliding-window layers,
+    softcapping, an implementation other than sdpa)."""
+    text = config.get_text_config()
+    kinds = set(getattr(text, "layer_types", None) or [])
+    sliding = getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
+    attention = config._attn_implementation
+    reasons = [(vision, "vision-language rows"), (pad_to, "--pad_to_multiple_of"),
+               (kinds - {"full_attention"}, f"{sorted(kinds)} layers"),
+               (sliding, "sliding-window attention"),
+               (getattr(text, "attn_logit_softcapping", None), "attention softcapping"),
+               (attention not in ("sdpa", VARLEN), f"attn_implementation {attention}")]
+    return next((why for flagged, why in reasons if flagged), None)
+
+
 def text_configs(model):
     """The configs whose _attn_implementation the model's attention layers read."""
     configs = [model.config]

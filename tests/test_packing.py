@@ -508,3 +508,22 @@ def test_flash_varlen_calls_the_installed_kernel_as_it_is_declared(kv_heads):
     assert out.shape == (1, 37, 8, 16) and out.dtype == torch.bfloat16
     out.sum().backward()
     assert key.grad.shape == key.shape and query.grad.shape == query.shape
+
+
+def test_the_default_packs_on_a_cpu_where_the_model_allows_it_and_says_which(tmp_path):
+    """--padding_free unset: the embedded default trains on packed rows on a CPU (the start-up line says so, and the
+    flag alone is still true); padded where packing would change the numbers or cannot run: images, rounded
+    lengths, sliding-window or recurrent layers, softcapping, another attention implementation."""
+    out = run(["--max_steps", "2", "--output_dir", str(tmp_path / "auto")])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "path: training rows = packed (--padding_free unset: a CPU" in out.stdout + out.stderr
+    assert train.parse_config(["--padding_free"]).padding_free is True
+    config = tiny("qwen2").config
+    assert packing.unpackable(config, False, None) is None
+    assert packing.unpackable(config, True, None) == "vision-language rows"
+    assert packing.unpackable(config, False, 8) == "--pad_to_multiple_of"
+    sliding = Qwen2Config(**{**config.to_dict(), "use_sliding_window": True, "sliding_window": 16})
+    assert "sliding" in packing.unpackable(sliding, False, None)
+    eager = copy.deepcopy(config)
+    eager._attn_implementation = "eager"
+    assert packing.unpackable(eager, False, None) == "attn_implementation eager"
