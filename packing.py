@@ -18,6 +18,7 @@ the prompt once, then its completions, each attending to the prompt and to itsel
 unit), at the positions it would have alone. The same log-probs for G - 1 fewer prompts' work in
 every layer, where that outweighs the masked unit's attention (shared_units)."""
 import functools
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from inspect import signature
@@ -130,7 +131,16 @@ def shared_units(prompt_ids, prompt_mask, prompt_lengths, completion_lengths, co
 def shared_prompt_costs(model):
     """(FLOPs a token, FLOPs a query-key pair) of a forward, the weights of shared_units' choice:
     2 per weight outside the embeddings; 4 per head dimension, head and layer (scores and their
-    weighted sum)."""
+    weighted sum). Counted once a model."""
+    if model not in COSTS:
+        COSTS[model] = forward_costs(model)
+    return COSTS[model]
+
+
+COSTS = weakref.WeakKeyDictionary()
+
+
+def forward_costs(model):
     config = model.config.get_text_config()
     heads, layers = config.num_attention_heads, config.num_hidden_layers
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads

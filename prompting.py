@@ -1,8 +1,11 @@
 """Prompts as the model sees them: chat template, token ids, images; the one padding helper; the
 ids that end a completion. Shared by every generator (rollout.py, vllm_rollout.py, environments.py)
 and by the metrics."""
+import array
 import io
+import json
 import re
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -85,9 +88,31 @@ def dropped_content(tokenizer, messages, chat_template_kwargs=None):
 def tokenize_prompts(tokenizer, prompts, chat_template_kwargs=None):
     """Prompt token ids as TRL makes them: a conversation gets the chat template, which writes its
     own special tokens; a standard string gets the tokenizer's (BOS for Llama, Gemma or Mistral,
-    nothing for Qwen or SmolLM2)."""
+    nothing for Qwen or SmolLM2). Each prompt is tokenized once a run (start-up's length check
+    does them all; the same prompts come back every epoch): TOKENIZED keeps their ids."""
     if prompts and all(is_token_ids(p) for p in prompts):  # a multi-turn trajectory so far
         return [list(p) for p in prompts]
+    options = json.dumps(chat_template_kwargs or {}, sort_keys=True, default=str)
+    cache = TOKENIZED.setdefault(tokenizer, {"ids": {}, "tokens": 0})
+    keys = [(p if isinstance(p, str) else json.dumps(p, sort_keys=True, default=str), options)
+            for p in prompts]
+    new = {key: p for key, p in zip(keys, prompts) if key not in cache["ids"]}
+    if new:
+        if cache["tokens"] > TOKENIZED_LIMIT:  # a stream of new prompts: start over
+            cache["ids"], cache["tokens"] = {}, 0
+        ids = encode_prompts(tokenizer, list(new.values()), chat_template_kwargs)
+        cache["ids"].update((key, array.array("l", i)) for key, i in zip(new, ids))
+        cache["tokens"] += sum(map(len, ids))
+    return [cache["ids"][key].tolist() for key in keys]
+
+
+# tokenizer -> {"ids": {(prompt, template options): ids}, "tokens": how many they hold}
+TOKENIZED = weakref.WeakKeyDictionary()
+TOKENIZED_LIMIT = 2**22  # token ids kept a tokenizer (32 MB)
+
+
+def encode_prompts(tokenizer, prompts, chat_template_kwargs=None):
+    """tokenize_prompts without its cache."""
     texts = prompt_texts(tokenizer, prompts, chat_template_kwargs)
     standard = [not is_conversational(p) for p in prompts]
     ids = {}

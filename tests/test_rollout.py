@@ -167,6 +167,22 @@ def test_a_prompts_samples_share_one_prefill_and_draw_what_each_row_draws_alone(
     torch.testing.assert_close(shared.sampler_logps, alone.sampler_logps, atol=1e-6, rtol=0)
 
 
+def test_each_prompt_is_tokenized_once_a_run(tiny, monkeypatch):
+    """The same prompts come back every epoch: a second generation of them calls no tokenizer; new ones are
+    tokenized, and the ids equal the tokenizer's own."""
+    model, tokenizer, _ = tiny
+    calls, encode = [], type(tokenizer).__call__
+    monkeypatch.setattr(type(tokenizer), "__call__", lambda self, texts, **kw: calls.append(list(texts)) or
+                        encode(self, texts, **kw))
+    prompts = ["9876=", "5="]
+    first = rollout.generate(model, tokenizer, {"prompt": prompts}, gen_cfg(), CPU, seed=1)
+    again = rollout.generate(model, tokenizer, {"prompt": prompts}, gen_cfg(), CPU, seed=1)
+    assert calls == [prompts] and torch.equal(first.prompt_ids, again.prompt_ids)
+    assert prompting.tokenize_prompts(tokenizer, ["5=", "44="]) == [encode(tokenizer, t).input_ids
+                                                                   for t in ["5=", "44="]]
+    assert calls == [prompts, ["44="]]
+
+
 def test_compiled_decode_step_samples_what_the_eager_one_does(tiny):
     """--compile_decode: torch.compile over the static cache (CUDA graphs on a GPU; inductor here)."""
     model, tokenizer, _ = tiny
