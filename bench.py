@@ -45,7 +45,9 @@ import time
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+import bench_compare
 import bench_shapes
+import distributed
 import metrics
 import rewards
 import train
@@ -172,8 +174,8 @@ def run_trl(model_dir, data, reward, c, steps):
     trainer.train()
     for row, logged in zip(step_times, [h for h in trainer.state.log_history if "reward" in h]):
         row.update({k: logged[k] for k in ["reward", "completions/mean_length",
-                                           "completions/max_length", "loss", "grad_norm"]
-                    if k in logged})
+                                           "completions/max_length", "loss", "grad_norm",
+                                           "num_tokens"] if k in logged})
     return step_times[1:]
 
 
@@ -232,6 +234,9 @@ def time_trl_phases(trainer):
 
 
 def summarize(name, steps, num_completions):
+    for before, s in zip(steps, steps[1:]):  # prompt + completion tokens of each step, all ranks
+        if "num_tokens" in s and "num_tokens" in before:
+            s["tokens"] = s["num_tokens"] - before["num_tokens"]
     steps = steps[2:]  # with the first step dropped by the runners: 3 warm-up steps
     # per step, then the median (medians of the parts need not add up); generation includes sync
     for s in steps:
@@ -257,6 +262,81 @@ def summarize(name, steps, num_completions):
     print(f"  {'peak_mib (' + PEAK_METHOD + ')':32s} {med['peak_mib']:10.1f}")
     med["tokens_per_second/generation"] = tokens / med["time/generation"]
     return med
+
+
+def matmul_peak(dtype, device, threads=None, size=2048, seconds=0.5):
+    """FLOP/s of a size x size matmul in dtype, repeated for `seconds` on `device` (a CPU: with
+    `threads` of torch's, the run's): the machine's practical limit, measured in the same run."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads or saved)
+    a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a @ b
+    sync()
+    start, n = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        a @ b
+        n += 1
+        sync()
+    torch.set_num_threads(saved)
+    return 2 * size ** 3 * n / (time.perf_counter() - start)
+
+
+def model_sizes(model_dir):
+    """(weights outside the embeddings, layers * heads * head dim, hidden size, vocabulary) of the
+    model directory's architecture, counted on the meta device (nothing loaded)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    embedded = model.get_input_embeddings().weight.numel()
+    weights = sum(p.numel() for p in model.parameters()) - embedded
+    return weights, text.num_hidden_layers * heads * head_dim, text.hidden_size, text.vocab_size
+
+
+def phase_flops(sizes, prompt_tokens, completion_tokens, rows):
+    """Model FLOPs of one step's phases, the work a plain forward of each sequence costs (what the
+    step must do; prompt sharing and recomputation are not counted): a forward is 2 FLOPs per
+    weight outside the embeddings per token, 4 per layer, head and head dimension per attended
+    (query, key) pair (rows * n^2 / 2 at the mean length n), and the LM head's 2 * vocab * hidden
+    per completion token; a backward twice its forward. -> {phase: FLOPs}"""
+    weights, attention, hidden, vocab = sizes
+    n = (prompt_tokens + completion_tokens) / rows
+    forward = (2 * weights * (prompt_tokens + completion_tokens) + 4 * attention * rows * n * n / 2
+               + 2 * vocab * hidden * completion_tokens)
+    return {"time/generation": forward, "time/reference": forward,
+            "time/forward_backward": 3 * forward}
+
+
+def report_mfu(med, sizes, precision, device, threads, world_size):
+    """Each phase's model FLOPs, achieved FLOP/s and their share of the measured matmul peak (MFU),
+    and the step's seconds outside model compute (its time less every phase's FLOPs at the peak)."""
+    peaks = {name: matmul_peak(dtype, device, threads) for name, dtype in
+             (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+    peak = peaks[precision]
+    completion = med["completions/mean_length"] * med["rows"]
+    flops = phase_flops(sizes, med["tokens"] - completion, completion, med["rows"])
+    print(f"  matmul peak, 2048^2 on {device.type}"
+          f"{f' ({threads} threads)' if device.type == 'cpu' else ''}: "
+          + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peaks.items())
+          + f"; this run computes in {precision}")
+    print(f"  {'phase':24s} {'GFLOP':>9s} {'GFLOP/s':>9s} {'MFU':>6s} {'at peak s':>10s}")
+    at_peak = 0.0
+    for phase, total in flops.items():
+        per_device = total / world_size
+        seconds = med.get(phase) or math.nan
+        at_peak += per_device / peak
+        med[f"mfu/{phase}"] = per_device / seconds / peak
+        print(f"  {phase:24s} {per_device / 1e9:9.3f} {per_device / seconds / 1e9:9.2f} "
+              f"{med[f'mfu/{phase}']:6.1%} {per_device / peak:10.4f}")
+    med["outside_model_compute"] = med["step_time"] - at_peak
+    med.update({f"peak_flops/{k}": v for k, v in peaks.items()})
+    print(f"  {'step outside model compute':32s} {med['outside_model_compute']:10.4f}  "
+          "(step_time less every phase's FLOPs at the peak)")
 
 
 def bench_config(args):
@@ -293,6 +373,22 @@ def arguments():
     parser.add_argument("--tiny", action="store_true",
                         help="a tiny model and batch in place of the config's (CPU)")
     parser.add_argument("--report", help="write the medians to this JSON file")
+    parser.add_argument("--no_mfu", action="store_true",
+                        help="skip the matmul peak and the phases' model FLOPs and MFU")
+    parser.add_argument("--compare", metavar="REV",
+                        help="time this tree against commit REV, pair by pair (bench_compare.py)")
+    parser.add_argument("--unmeasured", action="store_true",
+                        help="--compare with this tree, metrics.timed measuring nothing")
+    parser.add_argument("--pairs", type=int, default=3, help="--compare: A B pairs a workload")
+    parser.add_argument("--embedded_steps", type=int,
+                        help="--compare: the embedded default's steps (default: its 500)")
+    parser.add_argument("--real_steps", type=int, default=3,
+                        help="--compare: the real model's optimizer steps (0: skip it)")
+    parser.add_argument("--real_model", help="--compare: the real model's directory (default: "
+                        "SmolLM2-135M-Instruct built by tests/smollm2.py)")
+    parser.add_argument("--real_flags", default="",
+                        help="--compare: more train.py flags for the real model, one string "
+                        "(--real_flags='--bf16 true')")
     # a run of gpu_check.py, on the model it built once for all its runs
     parser.add_argument("--model_dir", help=argparse.SUPPRESS)
     return parser
@@ -301,6 +397,8 @@ def arguments():
 def main():
     parser = arguments()
     args, extra = parser.parse_known_args()
+    if args.compare or args.unmeasured:
+        return bench_compare.run(args)
     c = bench_config(args)
     default_steps = c.pop("steps", 20)
     steps = args.steps or default_steps
@@ -327,6 +425,12 @@ def main():
         med.update(paths=steps[-1].get("paths", {}), computed_dtypes=dict(computed), finite=all(
             isinstance(s.get(k), (int, float)) and math.isfinite(s[k]) for s in steps
             for k in ("loss", "reward", "grad_norm")))
+        if "tokens" in med and not args.no_mfu:  # rank 0's figures (the runners return no other)
+            precision = med["paths"].get("precision") or ("bf16" if c.get("bf16") else "fp32")
+            threads = int((distributed.CPU_THREADS or [str(torch.get_num_threads())])[0].split()[0])
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            med["rows"] = c["batch"] * world_size
+            report_mfu(med, model_sizes(files[0]), precision, device, threads, world_size)
         if args.report:
             with open(args.report, "w") as f:
                 json.dump(med, f)

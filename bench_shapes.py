@@ -29,7 +29,7 @@ import rollout
 import train
 from batches import Rollout
 
-VARIANTS = {"padded": [], "padding_free": ["--padding_free", "true"],
+VARIANTS = {"padded": ["--padding_free", "false"], "padding_free": ["--padding_free", "true"],
             "padding_free, 4096 tokens": ["--padding_free", "true",
                                           "--max_tokens_per_microbatch", "4096"]}
 B, L, MICRO, REPLY = 64, 32, 16, 31

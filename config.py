@@ -232,9 +232,11 @@ class Config:
     pad_to_multiple_of: int | None = arg(None, at_least(1),
         "Pad the training forward's prompt and completion lengths each to a multiple of this "
         "(fewer distinct shapes: tensor-core and compiler friendly).")
-    padding_free: bool = arg(False,
+    padding_free: bool | None = arg(None,
         "Pack each training micro-batch's sequences into one row, no padding, attention within "
-        "each sequence (TRL's name): faster on long-tailed completion lengths.")
+        "each sequence (TRL's name; on a CPU each prompt once for its completions): the same "
+        "numbers, faster and lighter. Unset: packed on a CPU where the model allows it, padded "
+        "on a GPU (the start-up line says which and why).")
     max_tokens_per_microbatch: int | None = arg(None, at_least(1),
         "Form training micro-batches by this many tokens (prompt + completion, first-fit "
         "decreasing) instead of per_device_train_batch_size sequences; the loss is unchanged.")
@@ -510,6 +512,9 @@ def parse_config(argv=None):
         f"Without --model the embedded preset applies (flags still override it): {preset}; with "
         f"--use_peft also {lora_preset}; with --environment lookup also "
         f"{', '.join(f'{k}={v}' for k, v in EMBEDDED_LOOKUP_PRESET.items())}"))
+    for action in parser._actions:  # --padding_free alone is true, as when it was a plain switch
+        if action.dest == "padding_free":
+            action.nargs, action.const = "?", True
     # --help shows the defaults that hold with --model; the epilog lists the preset
     with_model = any(a == "--model" or a.startswith("--model=") for a in argv)
     if not with_model and not {"-h", "--help"} & set(argv):

@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 import distributed
 import packing
+from metrics import note_memory
 from rloo import sampling_mask, token_logps_and_entropy
 
 
@@ -125,7 +126,9 @@ def forward_logps(model, batch, rows, temperature, chunked=None, router_aux=Fals
 
 def scored(per_token, T, aux):
     """[b, T, C] from LogpsHead.score -> logps, entropy, T, aux, flips ([b, T] 0/1, or None
-    without --replay_sampling_mask)."""
+    without --replay_sampling_mask). The memory in use is read into the open phases here, where a
+    training forward holds the most: its activations, before backward frees them."""
+    note_memory()
     flips = per_token[..., 2].detach() if per_token.shape[-1] == 3 else None
     return per_token[..., 0], per_token[..., 1], T, aux, flips
 
@@ -138,9 +141,14 @@ def packed_logps(model, batch, rows, temperature, chunked=None, router_aux=False
     is over real tokens."""
     completion_mask = batch.completion_mask[rows]
     completion_len = int(completion_mask.sum(-1).max())
+    # each prompt once for its completions where the attention runs per sequence (a CPU; the
+    # GPU's FlashAttention varlen kernel has no such mask); not with a router loss, which would
+    # count a shared prompt's tokens once instead of G times
+    share = batch.prompt_ids.device.type != "cuda" and not router_aux
     packed = packing.pack(batch.prompt_ids[rows], batch.prompt_mask[rows],
                           batch.completion_ids[rows, :completion_len],
-                          completion_mask[:, :completion_len])
+                          completion_mask[:, :completion_len],
+                          packing.shared_prompt_costs(base_of(model)) if share else None)
     head = LogpsHead(packed.targets[None], temperature, batch.suppressed_ids,
                      batch.sampling_filter, packed=True)
     chunked = plain_head(model) if chunked is None else chunked

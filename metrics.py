@@ -7,7 +7,6 @@ arithmetic and printing.
 """
 
 import os
-import threading
 import time
 from contextlib import contextmanager
 
@@ -46,25 +45,40 @@ def timed(timings, name):
     MiB, to memory/<phase> (the largest over the step's calls). On a GPU each end of the block is
     a CUDA event on the current stream, so the kernels it queued count in it, not in the phase
     after; the seconds are Spans until settle() reads them, once a step (one synchronization, none
-    per phase or micro-batch). Nothing here resets a process-wide peak: memory/run_peak and any
-    outside reading of the process's peak stay true."""
-    start, phase = mark(), {"peak": in_use()}
+    per phase or micro-batch). Memory is read at the block's ends and where note_memory() is called
+    inside it, no thread and nothing polled (a decode loop on a GPU is bound by kernel launches,
+    and the GIL a polling thread takes stalls it). Nothing here resets a process-wide peak:
+    memory/run_peak and any outside reading of the process's peak stay true."""
+    if not MEASURE[0]:  # bench.py's run without measuring, for the cost of measuring: NaN
+        yield
+        merge_timings(timings, {name: math.nan})
+        return
+    start, phase = mark(), {"peak": 0.0, "high": memory()[1]}
     OPEN_PHASES.append(phase)
-    sampler = MemorySampler() if len(OPEN_PHASES) == 1 else None  # one for the outermost phase
     try:
         yield
     finally:
-        if sampler is not None:
-            sampler.stop()
-        for frame in OPEN_PHASES:
-            frame["peak"] = max(frame["peak"], in_use())
+        now, high = memory()
+        for frame in OPEN_PHASES:  # a phase that raised the high-water mark had it as its peak
+            frame["peak"] = max(frame["peak"], high if high > frame["high"] else now)
         OPEN_PHASES.pop()  # this one: phases nest
         merge_timings(timings, {name: Spans([(start, mark())]),
                                 "memory/" + name.split("/", 1)[-1]: phase["peak"]})
 
 
-OPEN_PHASES = []  # the timed() blocks running, innermost last: {"peak": MiB seen so far}
-SAMPLE_EVERY = 0.002  # seconds between two readings of the memory in use during a phase
+OPEN_PHASES = []  # the timed() blocks running, innermost last: {"peak": MiB, "high": at start}
+MEASURE = [True]  # False: timed() measures nothing (bench.py's cost of measuring)
+
+
+def note_memory():
+    """Read the memory in use into every open phase's peak where a phase holds the most (a training
+    forward's activations before backward, forward.py; the full KV cache, rollout.py). A phase's
+    ends are read too, and one during which the process's high-water mark rose gets that mark, its
+    exact peak; otherwise its largest reading, a lower bound. A few microseconds each."""
+    if OPEN_PHASES:
+        now = in_use()
+        for frame in OPEN_PHASES:
+            frame["peak"] = max(frame["peak"], now)
 
 
 class Spans(list):
@@ -121,51 +135,50 @@ def settle(metrics):
 SYNCS = [0]  # settle()'s synchronizations: one a step (a test counts them)
 
 
-def in_use():
-    """MiB in use now: the GPU allocator's, else this process's resident set (0 where unknown)."""
+def memory():
+    """(MiB in use now, MiB at most in use since the process started): the GPU allocator's, else
+    this process's resident set and its high-water mark (Linux's VmRSS and VmHWM: its own, unlike
+    getrusage's ru_maxrss, which carries a parent's over exec); 0 where unknown. Nothing in rloo
+    resets either peak."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.memory_allocated() / 2**20
+        allocated = torch.cuda.memory_stats_as_nested_dict()["allocated_bytes"]["all"]  # one call
+        return allocated["current"] / 2**20, allocated["peak"] / 2**20
+    status = proc_self("status")
+    return kib(status, b"VmRSS:") / 1024, kib(status, b"VmHWM:") / 1024
+
+
+def kib(status, field):
+    """The kB figure of one field of /proc/self/status (0 where it is missing)."""
+    at = status.find(field)
+    return int(status[at + len(field):status.index(b"kB", at)]) if at >= 0 else 0
+
+
+def proc_self(name):
+    """/proc/self/<name>'s bytes (b"" off Linux): no Python file object, a few microseconds."""
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * PAGE / 2**20
-    except (OSError, IndexError, ValueError):
-        return 0.0
+        fd = os.open(f"/proc/self/{name}", os.O_RDONLY)
+    except OSError:
+        return b""
+    try:
+        return os.read(fd, 8192)
+    finally:
+        os.close(fd)
+
+
+def in_use():
+    """MiB in use now (memory's first figure, cheaper on a CPU: /proc/self/statm)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return memory()[0]
+    resident = proc_self("statm").split()[1:2]
+    return int(resident[0]) * PAGE / 2**20 if resident else 0.0
 
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-class MemorySampler:
-    """A thread that reads the memory in use every SAMPLE_EVERY seconds into every open phase: a
-    phase's peak without resetting the process's (a spike shorter than that may fall between two
-    readings; memory/run_peak is exact)."""
-
-    def __init__(self):
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self.sample, name="rloo-memory", daemon=True)
-        self.thread.start()
-
-    def sample(self):
-        while not self.done.wait(SAMPLE_EVERY):
-            now = in_use()
-            for frame in tuple(OPEN_PHASES):
-                frame["peak"] = max(frame["peak"], now)
-
-    def stop(self):
-        self.done.set()
-        self.thread.join()
-
-
 def run_peak():
-    """MiB at most in use since the process started: the GPU allocator's high-water mark, else the
-    peak resident set (Linux's VmHWM). No code of rloo resets either."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.max_memory_allocated() / 2**20
-    try:
-        with open("/proc/self/status") as f:
-            return int(f.read().split("VmHWM:")[1].split()[0]) / 1024
-    except (OSError, IndexError, ValueError):
-        return 0.0
+    """MiB at most in use since the process started, exact (memory/run_peak; memory)."""
+    return memory()[1]
 
 
 def nanstd(x):

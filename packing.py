@@ -9,8 +9,16 @@ detection for SDPA builds a dense [1, 1, N, N] mask and computes all N^2 scores:
 padded batch.) On a GPU, the same keyword arguments (cu_seq_lens_q/k, max_length_q/k) are those
 transformers' flash_attention_2 integration takes for flash_attn_varlen_func (a test checks the
 names against its _flash_attention_forward, and the int32 offsets the kernel needs). VARLEN calls
-PyTorch's varlen_attn (FlashAttention) where it fits, else causal SDPA per sequence; the kernel's
-layout and arguments are checked on a CPU against that loop, the kernel itself not yet on a GPU."""
+PyTorch's varlen_attn (FlashAttention) where it fits, else causal SDPA per sequence, sequences of
+one length in one call; the kernel's layout and arguments are checked on a CPU against that loop,
+the kernel itself not yet on a GPU.
+
+Where the attention runs per sequence (a CPU), the G completions of a prompt share it: the row holds
+the prompt once, then its completions, each attending to the prompt and to itself (a mask per
+unit), at the positions it would have alone. The same log-probs for G - 1 fewer prompts' work in
+every layer, where that outweighs the masked unit's attention (shared_units)."""
+import functools
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from inspect import signature
@@ -38,39 +46,107 @@ VARLEN = "rloo_varlen_sdpa"
 @dataclass
 class Packed:
     """One micro-batch packed into a row; N = the sum of its sequence lengths, M = its completion
-    tokens."""
+    tokens. With shared prompts a unit is a prompt and the completions that follow it."""
     input_ids: torch.Tensor  # [1, N]
     position_ids: torch.Tensor  # [1, N] 0..len_i - 1 for each sequence i
-    cu_seqlens: torch.Tensor  # [b + 1] int32, where each sequence starts (and the row ends)
-    max_length: int  # the longest sequence
+    cu_seqlens: torch.Tensor  # [u + 1] int32, where each unit starts (and the row ends)
+    max_length: int  # the longest unit
     score_index: torch.Tensor  # [M] packed position whose hidden state predicts each target
     targets: torch.Tensor  # [M] the completion tokens, sequence by sequence
     completion_mask: torch.Tensor  # [b, T] where the M tokens go back to (True: a target)
+    layouts: tuple | None = None  # each unit's (prompt, completion, ...) lengths, when shared
 
     def attention_kwargs(self):
-        """The keyword arguments the model passes down to its attention (flash-attention names)."""
+        """The keyword arguments the model passes down to its attention (flash-attention names;
+        rloo_layouts: the units whose completions share their prompt, for varlen_attention)."""
+        shared = {"rloo_layouts": self.layouts} if self.layouts else {}
         return {"cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens,
-                "max_length_q": self.max_length, "max_length_k": self.max_length}
+                "max_length_q": self.max_length, "max_length_k": self.max_length, **shared}
 
 
-def pack(prompt_ids, prompt_mask, completion_ids, completion_mask):
+def pack(prompt_ids, prompt_mask, completion_ids, completion_mask, costs=None):
     """Left-padded prompts [b, L] and right-padded completions [b, T] (masks 1 on real tokens) ->
-    Packed: for each sequence its real prompt tokens, then its real completion tokens."""
+    Packed: for each sequence its real prompt tokens, then its real completion tokens. costs
+    (shared_prompt_costs; None: no sharing): rows that repeat the row before's prompt (the G
+    completions of a prompt are adjacent) follow it without it, where that saves work: the prompt
+    is in the row once, each completion attends to it and to itself (varlen_attention) at the
+    positions it has alone. The same numbers, for G - 1 fewer prompts' work."""
     prompt_mask, completion_mask = prompt_mask.bool(), completion_mask.bool()
-    mask = torch.cat([prompt_mask, completion_mask], 1)  # [b, L+T]
+    b, L = prompt_mask.shape
+    prompt_lengths, completion_lengths = prompt_mask.sum(-1), completion_mask.sum(-1)  # [b]
+    first, layouts = torch.ones(b, dtype=torch.bool, device=prompt_ids.device), None  # [b]
+    if costs is not None and b > 1:
+        first, layouts = shared_units(prompt_ids, prompt_mask, prompt_lengths,
+                                      completion_lengths, costs)
+    mask = torch.cat([prompt_mask & first[:, None], completion_mask], 1)  # [b, L+T] kept tokens
     input_ids = torch.cat([prompt_ids, completion_ids], 1)[mask]  # [N] row-major: in order
-    lengths = mask.sum(-1)  # [b]
-    cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)  # [b + 1]
-    starts = cu_seqlens[:-1].long()
-    position_ids = torch.arange(len(input_ids), device=input_ids.device) - \
-        starts.repeat_interleave(lengths)  # [N] restarts at each sequence
-    # completion token t of sequence i sits at starts_i + P_i + t and is predicted one before it
-    prompt_lengths = prompt_mask.sum(-1)  # [b]
+    lengths = mask.sum(-1)  # [b] tokens each row adds
+    starts = F.pad(lengths.cumsum(0), (1, 0))[:-1]  # [b]
+    unit = first.long().cumsum(0) - 1  # [b] each row's unit
+    # positions: a prompt's 0..P-1, its completion's P.. (each completion as if alone)
+    grid = torch.cat([torch.arange(L, device=mask.device) - (L - prompt_lengths[:, None]),
+                      prompt_lengths[:, None] + torch.arange(completion_mask.shape[1],
+                                                             device=mask.device)], 1)
+    # completion token t of row i sits at starts_i + (its prompt, if it has it) + t and is
+    # predicted one before it; its first token by the prompt's last, at the unit's start + P - 1
     completion_pos = completion_mask.long().cumsum(-1) - 1  # [b, T]
-    packed_pos = starts[:, None] + prompt_lengths[:, None] + completion_pos  # [b, T]
-    return Packed(input_ids[None], position_ids[None], cu_seqlens, int(lengths.max()),
-                  packed_pos[completion_mask] - 1, completion_ids[completion_mask],
-                  completion_mask)
+    predictor = (starts + prompt_lengths * first)[:, None] + completion_pos - 1  # [b, T]
+    predictor[:, 0] = starts[first][unit] + prompt_lengths - 1
+    unit_lengths = torch.zeros(int(first.sum()), dtype=lengths.dtype,
+                               device=lengths.device).index_add_(0, unit, lengths)  # [u]
+    cu_seqlens = F.pad(unit_lengths.cumsum(0), (1, 0)).to(torch.int32)  # [u + 1]
+    return Packed(input_ids[None], grid[mask][None], cu_seqlens, int(unit_lengths.max()),
+                  predictor[completion_mask], completion_ids[completion_mask], completion_mask,
+                  layouts)
+
+
+def shared_units(prompt_ids, prompt_mask, prompt_lengths, completion_lengths, costs):
+    """Which rows start a unit ([b] bool; the others follow the row before without its prompt),
+    and each unit's layout: (P, T_1, ..., T_k) with its prompt shared, (P + T,) alone. A run of
+    rows with one prompt shares it where the k - 1 prompts saved cost more than the attention
+    its mask adds (the unit's n^2 scores, against the sequences' causal halves): costs = (FLOPs a
+    token, FLOPs a query-key pair)."""
+    same = ((prompt_ids[1:] == prompt_ids[:-1]) | ~prompt_mask[1:]).all(-1) & \
+        (prompt_mask[1:] == prompt_mask[:-1]).all(-1)  # [b - 1]
+    runs = [[0]]
+    for i, repeats in enumerate(same.tolist(), 1):  # one host copy each
+        runs[-1].append(i) if repeats else runs.append([i])
+    P, T = prompt_lengths.tolist(), completion_lengths.tolist()
+    token, pair = costs
+    first, layouts = [], []
+    for run in runs:
+        p, ts = P[run[0]], [T[i] for i in run]
+        n, alone = p + sum(ts), sum((p + t) ** 2 for t in ts) / 2
+        if len(run) > 1 and (len(run) - 1) * p * token > (n * n - alone) * pair:
+            first += [True] + [False] * (len(run) - 1)
+            layouts.append((p, *ts))
+        else:
+            first += [True] * len(run)
+            layouts += [(p + t,) for t in ts]
+    if all(first):
+        return torch.ones(len(first), dtype=torch.bool, device=prompt_ids.device), None
+    return torch.tensor(first, device=prompt_ids.device), tuple(layouts)
+
+
+def shared_prompt_costs(model):
+    """(FLOPs a token, FLOPs a query-key pair) of a forward, the weights of shared_units' choice:
+    2 per weight outside the embeddings; 4 per head dimension, head and layer (scores and their
+    weighted sum). Counted once a model."""
+    if model not in COSTS:
+        COSTS[model] = forward_costs(model)
+    return COSTS[model]
+
+
+COSTS = weakref.WeakKeyDictionary()
+
+
+def forward_costs(model):
+    config = model.config.get_text_config()
+    heads, layers = config.num_attention_heads, config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    embeddings = sum(p.numel() for m in (model.get_input_embeddings(),) for p in m.parameters())
+    weights = sum(p.numel() for p in model.parameters()) - embeddings
+    return 2 * weights, 4 * head_dim * heads * layers
 
 
 def unpack(per_token, packed):
@@ -102,7 +178,8 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     if unsupported:
         raise ValueError(f"--padding_free: this model's attention uses {unsupported}, which the "
                          "packed attention does not implement; run without --padding_free")
-    kernel, why = packed_kernel(query, dropout)
+    layouts = kwargs.get("rloo_layouts")  # prompts shared: masks FlashAttention's kernel lacks
+    kernel, why = (PER_SEQUENCE, "prompts shared") if layouts else packed_kernel(query, dropout)
     stack.took("packed attention", kernel, why)
     if kernel == FLASH:
         return flash_varlen(query, key, value, cu_seq_lens_q, kwargs.get("max_length_q"),
@@ -116,12 +193,40 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         # CPU bf16 SDPA compiles a kernel per new sequence length (5-35 ms each, measured, and a
         # packed row brings a new length per sequence); fp32 compiles none and is as fast here
         query, key, value = query.float(), key.float(), value.float()
+    layouts = layouts or [(n,) for n in lengths]
     # split, not a slice per sequence: a slice's backward writes a zero [1, heads, N, d] gradient
     # each, so b sequences cost b times the row (split's backward is one concatenation)
-    pieces = [F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling,
-                                             is_causal=True)
-              for q, k, v in zip(*(x.split(lengths, 2) for x in (query, key, value)))]
-    return torch.cat(pieces, 2).to(dtype).transpose(1, 2).contiguous(), None
+    parts = [x.split(lengths, 2) for x in (query, key, value)]
+    out = [None] * len(lengths)
+    for layout, units in same_layouts(layouts).items():  # one SDPA call per layout
+        mask = shared_prompt_mask(layout, query.device)
+        q, k, v = (torch.cat([part[i] for i in units]) for part in parts)  # [units, heads, n, d]
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                  scale=scaling, is_causal=mask is None)
+        for i, piece in zip(units, attended.split(1)):
+            out[i] = piece
+    return torch.cat(out, 2).to(dtype).transpose(1, 2).contiguous(), None
+
+
+def same_layouts(layouts):
+    """Unit indices by layout: units of one layout (a sequence's length; a shared prompt's and its
+    completions') stack into one batch of the same attention."""
+    units = {}
+    for i, layout in enumerate(layouts):
+        units.setdefault(layout, []).append(i)
+    return units
+
+
+@functools.lru_cache(maxsize=1024)
+def shared_prompt_mask(layout, device):
+    """A unit's attention: layout (n,) a plain sequence, causal (None: SDPA's is_causal);
+    (P, T_1, ..., T_k) a prompt of P tokens and its completions: each token attends causally to
+    its prompt and its own completion.  [n, n] bool"""
+    if len(layout) == 1:
+        return None
+    segment = torch.cat([torch.full((n,), j, device=device) for j, n in enumerate(layout)])
+    causal = torch.ones(len(segment), len(segment), dtype=torch.bool, device=device).tril()
+    return causal & ((segment[None] == 0) | (segment[None] == segment[:, None]))
 
 
 FLASH, PER_SEQUENCE = "FlashAttention varlen", "causal SDPA per sequence"
@@ -181,6 +286,39 @@ def check_packable(config):
     if kinds - {"full_attention", "sliding_attention"}:
         raise ValueError(f"--padding_free: this model has {sorted(kinds)} layers; recurrent ones "
                          "would carry state from one packed sequence into the next; drop the flag")
+
+
+def choose_padding_free(cfg, model, vision, device):
+    """--padding_free unset: packed rows where they give the padded forward's numbers and are the
+    faster (a CPU: 1.2-2.6x in the training phase, less memory, docs/benchmark.md), else padded;
+    said once either way."""
+    if cfg.padding_free is not None:
+        stack.took("training rows", "packed" if cfg.padding_free else "padded",
+                   f"--padding_free {str(cfg.padding_free).lower()}")
+        return
+    why = unpackable(model.config, vision, cfg.pad_to_multiple_of) or (
+        "a GPU: FlashAttention's varlen kernel is not measured on one yet (gpu_check.py's "
+        "packed variant)" if device.type == "cuda" else None)
+    cfg.padding_free = why is None
+    stack.took("training rows", "packed" if why is None else "padded",
+               f"--padding_free unset: {why or 'a CPU, and the model allows it'}; "
+               "--padding_free true/false overrides")
+
+
+def unpackable(config, vision, pad_to):
+    """Why a run's rows cannot be packed (None: they can): images, rounded lengths, or a model
+    whose attention the packed one does not implement (recurrent or sliding-window layers,
+    softcapping, an implementation other than sdpa)."""
+    text = config.get_text_config()
+    kinds = set(getattr(text, "layer_types", None) or [])
+    sliding = getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
+    attention = config._attn_implementation
+    reasons = [(vision, "vision-language rows"), (pad_to, "--pad_to_multiple_of"),
+               (kinds - {"full_attention"}, f"{sorted(kinds)} layers"),
+               (sliding, "sliding-window attention"),
+               (getattr(text, "attn_logit_softcapping", None), "attention softcapping"),
+               (attention not in ("sdpa", VARLEN), f"attn_implementation {attention}")]
+    return next((why for flagged, why in reasons if flagged), None)
 
 
 def text_configs(model):

@@ -12,7 +12,8 @@ sweep draws on from where it was), the process group when the run made it, envir
 (a colocated vLLM engine's), warnings filters and logger levels, the attention implementations
 packed models stand in front of (packing.BASE), the user's modules (user_code), the paths said
 (stack.PATHS), and the run's own threads: tqdm's monitor, the generation thread and the loggers
-(main registers those two here). One run at a time (RUNNING).
+(main registers those two here), the slow reward call's watcher. One run at a time
+(RUNNING).
 """
 
 import contextlib
@@ -32,6 +33,7 @@ from tqdm import tqdm
 
 import distributed
 import packing
+import reward_calls
 import stack
 import user_code
 from config import fail
@@ -133,6 +135,7 @@ def lent():
     levels = {name: logger.level for name, logger in logging.root.manager.loggerDict.items()
               if isinstance(logger, logging.Logger)}
     had_group, monitor, stdout = dist.is_initialized(), tqdm.monitor, sys.stdout
+    watcher = reward_calls.WATCHER[0]
     stack.PATHS.clear()
     try:
         sys.stdout = Stdout(stdout)
@@ -169,4 +172,6 @@ def lent():
         if tqdm.monitor is not monitor:  # the thread tqdm starts with the first progress bar
             tqdm.monitor.exit()
             tqdm.monitor = monitor
+        if reward_calls.WATCHER[0] is not watcher:  # the thread that warns of a slow reward call
+            reward_calls.stop_watching()
         gc.collect()  # the run's models and their FSDP2 process groups, whose gloo threads join

@@ -1,8 +1,11 @@
 """Prompts as the model sees them: chat template, token ids, images; the one padding helper; the
 ids that end a completion. Shared by every generator (rollout.py, vllm_rollout.py, environments.py)
 and by the metrics."""
+import array
 import io
+import json
 import re
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +31,16 @@ def repeat_each(values, G):
 
 def pad(pieces, value, left=False):
     """Rows of different lengths (id lists, or [b, t] tensors) -> one [rows, longest] tensor padded
-    with value, on the left (prompts, so that each ends where generation starts) or the right."""
-    pieces = [p if isinstance(p, torch.Tensor) else torch.tensor([p], dtype=None if p else int)
-              for p in pieces]
+    with value, on the left (prompts, so that each ends where generation starts) or the right.
+    Lists become one tensor at once (int64; float32 or bool where they hold those), not one a
+    row."""
+    if not any(isinstance(p, torch.Tensor) for p in pieces):
+        width = max(map(len, pieces))
+        fill = [[value] * (width - len(p)) for p in pieces]
+        rows = [f + list(p) if left else list(p) + f for f, p in zip(fill, pieces)]
+        kinds = {type(x) for p in pieces for x in p[:1]}
+        dtype = torch.float32 if float in kinds else torch.bool if kinds == {bool} else torch.long
+        return torch.tensor(rows, dtype=dtype)
     width = max(p.shape[1] for p in pieces)
     return torch.cat([F.pad(p, (width - p.shape[1], 0) if left else (0, width - p.shape[1]),
                             value=value) for p in pieces])
@@ -78,9 +88,31 @@ def dropped_content(tokenizer, messages, chat_template_kwargs=None):
 def tokenize_prompts(tokenizer, prompts, chat_template_kwargs=None):
     """Prompt token ids as TRL makes them: a conversation gets the chat template, which writes its
     own special tokens; a standard string gets the tokenizer's (BOS for Llama, Gemma or Mistral,
-    nothing for Qwen or SmolLM2)."""
+    nothing for Qwen or SmolLM2). Each prompt is tokenized once a run (start-up's length check
+    does them all; the same prompts come back every epoch): TOKENIZED keeps their ids."""
     if prompts and all(is_token_ids(p) for p in prompts):  # a multi-turn trajectory so far
         return [list(p) for p in prompts]
+    options = json.dumps(chat_template_kwargs or {}, sort_keys=True, default=str)
+    cache = TOKENIZED.setdefault(tokenizer, {"ids": {}, "tokens": 0})
+    keys = [(p if isinstance(p, str) else json.dumps(p, sort_keys=True, default=str), options)
+            for p in prompts]
+    new = {key: p for key, p in zip(keys, prompts) if key not in cache["ids"]}
+    if new:
+        if cache["tokens"] > TOKENIZED_LIMIT:  # a stream of new prompts: start over
+            cache["ids"], cache["tokens"] = {}, 0
+        ids = encode_prompts(tokenizer, list(new.values()), chat_template_kwargs)
+        cache["ids"].update((key, array.array("l", i)) for key, i in zip(new, ids))
+        cache["tokens"] += sum(map(len, ids))
+    return [cache["ids"][key].tolist() for key in keys]
+
+
+# tokenizer -> {"ids": {(prompt, template options): ids}, "tokens": how many they hold}
+TOKENIZED = weakref.WeakKeyDictionary()
+TOKENIZED_LIMIT = 2**22  # token ids kept a tokenizer (32 MB)
+
+
+def encode_prompts(tokenizer, prompts, chat_template_kwargs=None):
+    """tokenize_prompts without its cache."""
     texts = prompt_texts(tokenizer, prompts, chat_template_kwargs)
     standard = [not is_conversational(p) for p in prompts]
     ids = {}
@@ -92,8 +124,8 @@ def tokenize_prompts(tokenizer, prompts, chat_template_kwargs=None):
 
 def prompt_tensors(id_lists, pad_id, G, device):
     """Each prompt's ids G times, left-padded -> prompt_ids, prompt_mask [P * G, longest]."""
-    ids = pad(repeat_each(id_lists, G), pad_id, left=True)
-    mask = pad(repeat_each([[1] * len(p) for p in id_lists], G), 0, left=True)
+    ids = pad(id_lists, pad_id, left=True).repeat_interleave(G, 0)
+    mask = pad([[1] * len(p) for p in id_lists], 0, left=True).repeat_interleave(G, 0)
     return ids.to(device), mask.to(device)
 
 

@@ -151,23 +151,54 @@ SLOW_AFTER = SLOW_EVERY = 60.0
 def warn_while_slow(running, at, limit):
     """While the block runs: after SLOW_AFTER s, and every SLOW_EVERY s after that, one line on
     stderr naming the reward functions still running (running() -> names), so that a slow one is
-    seen for what it is rather than taken for a hang. limit: what stops it, in words."""
-    done, start = threading.Event(), time.monotonic()
+    seen for what it is rather than taken for a hang. limit: what stops it, in words. One thread
+    watches every call of a run (watch): a thread started per call cost a step milliseconds."""
     where = f" on rank {distributed.rank()}" if distributed.world_size() > 1 else ""
-
-    def watch():
-        wait = SLOW_AFTER
-        while not done.wait(wait) and running():
-            print(f"rloo: WARNING: reward function {', '.join(map(repr, running()))} still "
-                  f"running{at}{where} after {time.monotonic() - start:.0f} s ({limit})",
-                  file=sys.stderr, flush=True)
-            wait = SLOW_EVERY
-
-    threading.Thread(target=watch, daemon=True, name="rloo-reward-watch").start()
+    now = time.monotonic()
+    call = {"running": running, "at": at + where, "limit": limit, "start": now,
+            "due": now + SLOW_AFTER}
+    with WATCH:
+        WATCHED[id(call)] = call
+        if WATCHER[0] is None:
+            WATCHER[0] = threading.Thread(target=watch, daemon=True, name="rloo-reward-watch")
+            WATCHER[0].start()
+        WATCH.notify()
     try:
         yield
     finally:
-        done.set()
+        with WATCH:
+            del WATCHED[id(call)]
+
+
+WATCH = threading.Condition()  # guards WATCHED and WATCHER; the watcher sleeps on it
+WATCHED = {}  # the calls running now: id -> {running, at, limit, start, due (next warning)}
+WATCHER = [None]  # the thread that warns, started by a run's first call (process.borrowed ends it)
+
+
+def watch():
+    """The watcher: asleep until the next call's warning is due, or a call starts."""
+    with WATCH:
+        while WATCHER[0] is threading.current_thread():
+            now = time.monotonic()
+            for call in WATCHED.values():
+                if call["due"] <= now:
+                    names = call["running"]()
+                    if names:
+                        print(f"rloo: WARNING: reward function {', '.join(map(repr, names))} "
+                              f"still running{call['at']} after {now - call['start']:.0f} s "
+                              f"({call['limit']})", file=sys.stderr, flush=True)
+                    call["due"] = now + SLOW_EVERY
+            dues = [call["due"] for call in WATCHED.values()]
+            WATCH.wait(min(dues) - now if dues else None)
+
+
+def stop_watching():
+    """End the watcher (process.borrowed, as a run ends); a later call starts another."""
+    with WATCH:
+        thread, WATCHER[0] = WATCHER[0], None
+        WATCH.notify()
+    if thread is not None:
+        thread.join()
 
 
 def time_limit(timeout, is_async):

@@ -21,6 +21,7 @@ from transformers.generation.logits_process import SuppressTokensLogitsProcessor
 import stack
 from batches import Rollout
 from forward import micro_batches
+from metrics import note_memory
 from prompting import (eos_token_ids, image_token_ids, pad, pixel_inputs_for, prompt_tensors,
                      row_images, tokenize_prompts)
 from sampler_rules import sampling_filter
@@ -334,7 +335,8 @@ def decode(model, prompt_ids, prompt_mask, cfg, eos_ids, pad_id, keys, static=No
     -> completion_ids [B, T] and their log pi_T [B, T]"""
     B, E = prompt_ids.shape
     T = cfg.max_completion_length
-    if state is None:
+    fresh = state is None
+    if fresh:
         state = new_decoding(model, B, E + T, static, pad_id, prompt_ids.device, cfg)
     state.fit(state.filled + E + T)
     ids, mask, cache, static, L = state.ids, state.mask, state.cache, state.static, state.filled + E
@@ -343,8 +345,7 @@ def decode(model, prompt_ids, prompt_mask, cfg, eos_ids, pad_id, keys, static=No
     processors = sampling_processors(cfg, ids[:, :L], eos_ids)
     replay = sampling_filter(cfg) is not None
     eos = torch.tensor(eos_ids, device=prompt_ids.device)
-    out = model(input_ids=prompt_ids, attention_mask=mask if static else mask[:, :L],
-                position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = prefill(model, prompt_ids, mask if static else mask[:, :L], positions, cache, fresh)
     step, positions = decode_step(model, cfg), positions[:, -1:] + 1  # [B, 1]
     if cfg.compile_decode:
         watch_static_inputs(model, cache, ids.shape)
@@ -370,7 +371,39 @@ def decode(model, prompt_ids, prompt_mask, cfg, eos_ids, pad_id, keys, static=No
                    use_cache=True)
         positions = positions + own[:, None]
     state.filled = L + t  # the last token is sampled, not yet fed
+    note_memory()  # the generation phase's peak: the KV cache full (read once, not per token)
     return ids[:, L:L + t + 1].clone(), logps[:, :t + 1]
+
+
+def prefill(model, prompt_ids, attention_mask, positions, cache, fresh):
+    """The prompts' forward into the KV cache -> the model's output ([B, 1, V] logits). A fresh
+    KVBuffer cache computes each run of equal adjacent prompts (a prompt's G samples) once and
+    copies its keys and values to the run's rows: G times less prefill, the same numbers."""
+    rows = repeated_rows(prompt_ids, attention_mask[:, -prompt_ids.shape[1]:]) if fresh and all(
+        type(layer) is KVBuffer for layer in cache.layers) else None
+    if rows is None:
+        return model(input_ids=prompt_ids, attention_mask=attention_mask,
+                     position_ids=positions, past_key_values=cache, use_cache=True,
+                     logits_to_keep=1)
+    firsts, copies = rows
+    out = model(input_ids=prompt_ids[firsts], attention_mask=attention_mask[firsts],
+                position_ids=positions[firsts], past_key_values=cache, use_cache=True,
+                logits_to_keep=1)
+    for layer in cache.layers:
+        layer.resize(copies, layer.capacity)
+    out.logits = out.logits[copies]
+    return out
+
+
+def repeated_rows(prompt_ids, prompt_mask):
+    """Where adjacent rows repeat a prompt: (the first row of each run [U], each row's run [B]),
+    or None when none does. One host copy."""
+    same = (prompt_ids[1:] == prompt_ids[:-1]).all(-1) & \
+        (prompt_mask[1:] == prompt_mask[:-1]).all(-1)  # [B - 1]
+    if not bool(same.any()):
+        return None
+    starts = torch.cat([same.new_ones(1), ~same])  # [B]
+    return starts.nonzero()[:, 0], starts.long().cumsum(0) - 1
 
 
 def static_cache(device_type, cfg):

@@ -46,6 +46,7 @@ import environments  # noqa: E402
 import forward  # noqa: E402
 import lora  # noqa: E402
 import models  # noqa: E402
+import packing  # noqa: E402
 import process  # noqa: E402
 import prompting  # noqa: E402
 import rollout  # noqa: E402
@@ -94,6 +95,7 @@ def load_models(cfg, dataset, eval_sets, vision, device):
         data.check_data(eval_set, tokenizer, processor, model, cfg, data.eval_where(cfg, name))
     sampler.check_token_ids(cfg, model, tokenizer)
     models.router_aux_coef(cfg, model)  # a coefficient for a model without a router loss fails
+    packing.choose_padding_free(cfg, model, vision, device)  # unset: packed where exact
     if cfg.use_peft:
         model = lora.add_adapter(model, lora.settings(cfg))
     model = models.prepare_model(model, cfg, trainable=True, device=device)

@@ -106,6 +106,41 @@ def test_packed_forward_equals_padded_in_logps_entropy_and_gradients(kind, chunk
     assert all(torch.equal(a, b) for a, b in zip(again[:2], padded[:2]))
 
 
+def grouped_batch(G=4, T=8):
+    """long_tail_batch of 12 rows whose prompts repeat in runs of G (a prompt's G samples)."""
+    batch = long_tail_batch(B=12, T=T)
+    for first in range(0, 12, G):
+        batch.prompt_ids[first:first + G] = batch.prompt_ids[first]
+        batch.prompt_mask[first:first + G] = batch.prompt_mask[first]
+    return batch
+
+
+@pytest.mark.stack
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_prompts_completions_share_it_in_the_packed_row_and_equal_padded(kind):
+    """On a CPU the packed row holds each prompt once, followed by its G completions, each attending to it and to
+    itself at the positions it has alone: the padded forward's log-probs, entropy and gradients, from a row shorter
+    by G - 1 prompts a group."""
+    model, batch = tiny(kind), grouped_batch()
+    rows = []
+    model.register_forward_pre_hook(lambda m, a, kw: rows.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    assert_same(logps_and_grads(model, batch, padding_free=True), logps_and_grads(model, batch, padding_free=False))
+    prompts = batch.prompt_mask.sum(-1)
+    assert rows[0] == int(prompts[::4].sum() + batch.completion_mask.sum()) < int(prompts.sum() +
+                                                                                  batch.completion_mask.sum())
+
+
+def test_a_prompt_is_shared_only_where_that_saves_work():
+    """The shared unit's attention mask costs its n^2 scores: with long completions and a short prompt the rows
+    stay sequences of their own (no layouts); with short ones they share."""
+    batch = grouped_batch(T=60)
+    args = (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
+    short = packing.pack(*(x[:, :8] if i > 1 else x for i, x in enumerate(args)), costs=(10**6, 100))
+    assert short.layouts and all(len(layout) == 5 for layout in short.layouts)
+    dear = packing.pack(*args, costs=(100, 10**6))
+    assert dear.layouts is None and len(dear.cu_seqlens) == 13
+
+
 @pytest.mark.stack
 def test_a_copy_of_a_model_after_a_packed_forward_still_runs_padded_and_packed():
     """Review: a copy.deepcopy of the model (a reference made from the policy, a user's EMA) after a packed forward
@@ -132,15 +167,15 @@ def test_packed_forward_equals_padded_with_lora():
 
 @pytest.mark.stack
 def test_packed_row_has_no_padding_and_attention_one_sequence_at_a_time(monkeypatch):
-    """The hot path's shapes: one row of exactly the real tokens, no mask, and per-sequence SDPA
-    calls of each sequence's length (never an [N, N] score matrix)."""
+    """The hot path's shapes: one row of exactly the real tokens, no mask, and SDPA calls of one
+    sequence's length each, sequences of one length in one call (never an [N, N] score matrix)."""
     model, batch = tiny("llama"), long_tail_batch()
     lengths = (batch.prompt_mask.sum(-1) + batch.completion_mask.sum(-1)).tolist()
     seen, rows = [], []
     sdpa = packing.F.scaled_dot_product_attention
 
     def counted(query, key, value, attn_mask=None, **kwargs):
-        seen.append((query.shape[2], attn_mask))
+        seen.extend([(query.shape[2], attn_mask)] * query.shape[0])
         return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
 
     monkeypatch.setattr(packing.F, "scaled_dot_product_attention", counted)
@@ -149,7 +184,10 @@ def test_packed_row_has_no_padding_and_attention_one_sequence_at_a_time(monkeypa
     with torch.no_grad():
         forward.forward_logps(model, batch, slice(None), 1.0, padding_free=True)
     assert rows == [(1, sum(lengths))]
-    assert seen == [(n, None) for n in lengths] * model.config.num_hidden_layers
+    assert len(set(lengths)) < len(lengths)  # some sequences share a call
+    layers = model.config.num_hidden_layers
+    assert sorted(seen, key=lambda s: s[0]) == sorted([(n, None) for n in lengths] * layers,
+                                                      key=lambda s: s[0])
 
 
 class Written(TorchDispatchMode):
@@ -172,7 +210,7 @@ def test_packed_attention_backward_writes_the_row_a_few_times_not_once_per_seque
     """48 sequences in a row: a slice per sequence would make backward write a zero gradient of the
     whole row per slice (48 rows each for q, k, v); split's backward is one concatenation. On a CPU
     the attention runs in fp32 (bf16 SDPA compiles a kernel per new length) and returns the
-    row's dtype."""
+    row's dtype. Sequences of one length attend in one call."""
     lengths = [1 + (7 * i) % 23 for i in range(48)]
     cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     q, k, v = (torch.randn(1, 4, sum(lengths), 8, dtype=dtype, requires_grad=True)
@@ -188,7 +226,7 @@ def test_packed_attention_backward_writes_the_row_a_few_times_not_once_per_seque
         m.setattr(packing.F, "scaled_dot_product_attention", recorded)
         out, _ = packing.varlen_attention(None, q, k, v, None, cu_seq_lens_q=cu_seqlens)
     assert out.dtype == dtype and out.shape == (1, sum(lengths), 4, 8)
-    assert set(seen) == {torch.float32} and len(seen) == len(lengths)
+    assert set(seen) == {torch.float32} and len(seen) == len(set(lengths))  # a call a length
     with Written() as written:
         out.sum().backward()
     assert written.elements < 12 * q.numel()  # fp32 6 x, bf16 10 x (casts); slices: 290 x
@@ -470,3 +508,22 @@ def test_flash_varlen_calls_the_installed_kernel_as_it_is_declared(kv_heads):
     assert out.shape == (1, 37, 8, 16) and out.dtype == torch.bfloat16
     out.sum().backward()
     assert key.grad.shape == key.shape and query.grad.shape == query.shape
+
+
+def test_the_default_packs_on_a_cpu_where_the_model_allows_it_and_says_which(tmp_path):
+    """--padding_free unset: the embedded default trains on packed rows on a CPU (the start-up line says so, and the
+    flag alone is still true); padded where packing would change the numbers or cannot run: images, rounded
+    lengths, sliding-window or recurrent layers, softcapping, another attention implementation."""
+    out = run(["--max_steps", "2", "--output_dir", str(tmp_path / "auto")])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "path: training rows = packed (--padding_free unset: a CPU" in out.stdout + out.stderr
+    assert train.parse_config(["--padding_free"]).padding_free is True
+    config = tiny("qwen2").config
+    assert packing.unpackable(config, False, None) is None
+    assert packing.unpackable(config, True, None) == "vision-language rows"
+    assert packing.unpackable(config, False, 8) == "--pad_to_multiple_of"
+    sliding = Qwen2Config(**{**config.to_dict(), "use_sliding_window": True, "sliding_window": 16})
+    assert "sliding" in packing.unpackable(sliding, False, None)
+    eager = copy.deepcopy(config)
+    eager._attn_implementation = "eager"
+    assert packing.unpackable(eager, False, None) == "attn_implementation eager"

@@ -147,6 +147,42 @@ def test_chunks_and_static_cache_give_the_samples_of_one_call_with_a_bounded_kv_
     torch.testing.assert_close(static[1], growing[1], atol=1e-5, rtol=0)
 
 
+def test_a_prompts_samples_share_one_prefill_and_draw_what_each_row_draws_alone(tiny):
+    """The G samples of a prompt are adjacent rows with one prompt: the prefill computes each prompt once (3 rows in
+    the first forward, not 9) and copies its keys and values to its rows; each row draws what it draws decoded alone
+    (chunks of one row: nothing to share), to the last bit."""
+    model, tokenizer, _ = tiny
+    prompts, rows = ["123=", "4=", "98765="], []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    try:
+        shared = rollout.generate(model, tokenizer, {"prompt": prompts}, gen_cfg(max_completion_length=12), CPU,
+                                  seed=7)
+        prefill_rows, rows[:] = rows[0], []
+        alone = rollout.generate(model, tokenizer, {"prompt": prompts},
+                                 gen_cfg(max_completion_length=12, generation_chunk_size=1), CPU, seed=7)
+    finally:
+        hook.remove()
+    assert prefill_rows == 3 and set(rows) == {1}
+    assert torch.equal(shared.completion_ids, alone.completion_ids)
+    torch.testing.assert_close(shared.sampler_logps, alone.sampler_logps, atol=1e-6, rtol=0)
+
+
+def test_each_prompt_is_tokenized_once_a_run(tiny, monkeypatch):
+    """The same prompts come back every epoch: a second generation of them calls no tokenizer; new ones are
+    tokenized, and the ids equal the tokenizer's own."""
+    model, tokenizer, _ = tiny
+    calls, encode = [], type(tokenizer).__call__
+    monkeypatch.setattr(type(tokenizer), "__call__", lambda self, texts, **kw: calls.append(list(texts)) or
+                        encode(self, texts, **kw))
+    prompts = ["9876=", "5="]
+    first = rollout.generate(model, tokenizer, {"prompt": prompts}, gen_cfg(), CPU, seed=1)
+    again = rollout.generate(model, tokenizer, {"prompt": prompts}, gen_cfg(), CPU, seed=1)
+    assert calls == [prompts] and torch.equal(first.prompt_ids, again.prompt_ids)
+    assert prompting.tokenize_prompts(tokenizer, ["5=", "44="]) == [encode(tokenizer, t).input_ids
+                                                                   for t in ["5=", "44="]]
+    assert calls == [prompts, ["44="]]
+
+
 def test_compiled_decode_step_samples_what_the_eager_one_does(tiny):
     """--compile_decode: torch.compile over the static cache (CUDA graphs on a GPU; inductor here)."""
     model, tokenizer, _ = tiny
