@@ -111,8 +111,9 @@ def test_the_name_check_finds_a_stale_name():
 
 
 def test_every_file_and_flag_the_docs_mention_exists():
-    fields, bench = set(config.Config.__dataclass_fields__), set(re.findall(r'add_argument\("--(\w+)"',
-                                                                             read("bench.py")))
+    fields = set(config.Config.__dataclass_fields__)
+    bench = {flag for tool in ("bench.py", "bench_learning.py", "gpu_check.py")
+             for flag in re.findall(r'add_argument\("--(\w+)"', read(tool))}
     problems = []
     for where, text in texts().items():
         for match in re.finditer(r"(?<![\w/.-])([\w/.-]*\w\.py)\b", text):

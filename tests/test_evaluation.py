@@ -160,3 +160,47 @@ def test_the_arithmetic_verifier_reads_the_answer():
     completions = ["42", "17 + 25 = 42", "The answer is 42.", "42, or maybe 41", "forty-two", "-42"]
     assert score(completions, solution=["42"] * 6) == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
     assert score(["3 - 5 = -2"], solution=["-2"]) == [1.0]
+
+
+FORMAT_REWARD = '''
+import rewards
+
+
+def number_only_reward(completions, **kwargs):
+    """The answer's format alone: 1.0 for a completion that is a bare number."""
+    return [float(rewards._text(c).strip().lstrip("-").isdigit()) for c in completions]
+'''
+
+
+def test_the_arithmetic_recipe_on_the_real_model(tmp_path, smollm2_dir):
+    """recipes/arithmetic.py's pieces on SmolLM2: rloo's greedy evaluation of the starting model scores what
+    transformers' generate scores (bench_learning.greedy_accuracy: the chat template, EOS and the verifier read
+    alike), and the first steps raise a reward that is easy to raise, the answer's format (the accuracy reward
+    weighted 0: measured, not trained on)."""
+    import bench_learning
+    from datasets import load_from_disk
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    data_dir = arithmetic.write_data(str(tmp_path / "data"), num_train=256, num_test=32)
+    (tmp_path / "format.py").write_text(FORMAT_REWARD)
+    out = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "recipes/arithmetic.py", "--model", str(smollm2_dir), "--dataset", data_dir,
+         "--reward_funcs", "last_number_reward", f"{tmp_path / 'format.py'}:number_only_reward",
+         "--reward_weights", "0", "1", "--num_generations", "8", "--per_device_train_batch_size", "32",
+         "--max_completion_length", "12", "--learning_rate", "3e-5", "--max_steps", "8", "--logging_steps", "1",
+         "--eval_steps", "100", "--output_dir", str(out)],
+        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "2"}, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_metrics(out)
+    evals = [r for r in rows if "eval_reward" in r]
+    assert [r["step"] for r in evals] == [0, 8]
+    test = list(load_from_disk(data_dir)["test"])
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    accuracy = bench_learning.greedy_accuracy(model, AutoTokenizer.from_pretrained(smollm2_dir), test,
+                                              bench_learning.native_bf16(), 12)
+    # one problem may flip where two tokens tie in bf16; a sampled or differently prompted evaluation moves more
+    assert abs(evals[0]["eval_rewards/last_number_reward/mean"] - accuracy) <= 1 / 32 + 1e-6, (evals[0], accuracy)
+    # measured: 0.0 -> 0.75 of the greedy completions a bare number after 8 steps (a flipped sign keeps it at 0)
+    before, after = (e["eval_rewards/number_only_reward/mean"] for e in evals)
+    assert after >= before + 0.3, (before, after)
