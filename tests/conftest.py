@@ -2,6 +2,7 @@
 
 import contextlib
 import importlib.util
+import json
 import string
 import subprocess
 
@@ -212,3 +213,15 @@ def read_only_mount(path, reason="cannot mount a read-only tmpfs here (needs roo
         yield path
     finally:
         subprocess.run(["umount", str(path)])
+
+
+def length_reward_task(tmp_path):
+    """64 conversational prompts and a reward file scoring a completion's length, for runs against a vLLM server.
+    -> (dataset path, --reward_funcs spec)"""
+    rows = tmp_path / "data.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{i} + {i}?"}]}) + "\n"
+                            for i in range(64)))
+    reward = tmp_path / "length.py"
+    reward.write_text("def length_reward(completions, **kw):\n"
+                      "    return [len(c[0]['content']) / 10 for c in completions]\n")
+    return str(rows), f"{reward}:length_reward"

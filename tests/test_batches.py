@@ -16,7 +16,7 @@ import forward
 import rollout
 import train
 from rewards import RewardFunctions
-from conftest import requires_vllm
+from conftest import length_reward_task, requires_vllm
 from test_rollout import vllm_server  # noqa: F401 (a fixture: vLLM's server on the tiny chat model)
 from test_train import cfg_for, read_metrics, run
 
@@ -196,13 +196,8 @@ def test_async_lag_1_trains_on_the_previous_steps_samples(chat_model_dir, vllm_s
 
 def server_args(tmp_path, chat_model_dir, port, *flags):
     """train.py on the tiny chat model against the server: 8 conversational prompts per step, a length reward."""
-    rows = tmp_path / "data.jsonl"
-    rows.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{i} + {i}?"}]}) + "\n"
-                            for i in range(64)))
-    reward = tmp_path / "length.py"
-    reward.write_text("def length_reward(completions, **kw):\n"
-                      "    return [len(c[0]['content']) / 10 for c in completions]\n")
-    return ["--model", str(chat_model_dir), "--dataset", str(rows), "--reward_funcs", f"{reward}:length_reward",
+    rows, reward = length_reward_task(tmp_path)
+    return ["--model", str(chat_model_dir), "--dataset", rows, "--reward_funcs", reward,
             "--use_vllm", "--vllm_mode", "server", "--vllm_server_port", str(port), "--bf16", "false",
             "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "8",
             "--learning_rate", "1e-3", "--logging_steps", "1", *flags]

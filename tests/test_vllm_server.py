@@ -16,7 +16,7 @@ import torch
 
 import models
 import vllm_server
-from conftest import build_chat_model, requires_vllm
+from conftest import build_chat_model, length_reward_task, requires_vllm
 from test_rollout import free_port, start_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,14 +42,9 @@ def server(chat_model_dir):
 
 def train_args(tmp_path, model_dir, server, *flags):
     """train.py on a chat model against the server: 8 prompts a step, a length reward."""
-    rows = tmp_path / "data.jsonl"
-    rows.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{i} + {i}?"}]}) + "\n"
-                            for i in range(64)))
-    reward = tmp_path / "length.py"
-    reward.write_text("def length_reward(completions, **kw):\n"
-                      "    return [len(c[0]['content']) / 10 for c in completions]\n")
-    return [sys.executable, os.path.join(ROOT, "train.py"), "--model", str(model_dir), "--dataset", str(rows),
-            "--reward_funcs", f"{reward}:length_reward", "--use_vllm", "--vllm_mode", "server",
+    rows, reward = length_reward_task(tmp_path)
+    return [sys.executable, os.path.join(ROOT, "train.py"), "--model", str(model_dir), "--dataset", rows,
+            "--reward_funcs", reward, "--use_vllm", "--vllm_mode", "server",
             "--vllm_server_base_url", server.url, "--bf16", "false", "--num_generations", "4",
             "--per_device_train_batch_size", "8", "--max_completion_length", "8", "--learning_rate", "1e-3",
             "--logging_steps", "1", *flags]
