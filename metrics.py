@@ -6,6 +6,7 @@ The collectives that bring every rank's numbers together are in distributed.py; 
 arithmetic and printing.
 """
 
+import math
 import os
 import time
 from contextlib import contextmanager

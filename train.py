@@ -25,7 +25,6 @@ From Python: train.main([...flags]) -> Result (README 'Sweeps').
 import dataclasses
 import logging
 import math
-import os
 import sys
 from collections import defaultdict
 from contextlib import closing

@@ -74,12 +74,13 @@ def test_fsdp_param_groups_reads_the_list_of_torch_2_13_and_the_single_group_bef
         assert stack.fsdp_param_groups(SimpleNamespace(_get_fsdp_state=lambda s=state: s)) == groups
 
 def test_the_start_up_names_the_versions_and_each_path_once(tmp_path):
-    """A run says its stack and each path it took, once: the versions, the precision, the KV cache."""
+    """A run says its stack and each path it took, once: the versions, the precision, the training
+    rows (packed by default on a CPU), the KV cache, the packed attention."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run([sys.executable, "train.py", "--max_steps", "2", "--output_dir", str(tmp_path)],
                           capture_output=True, text=True, cwd=root, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("rloo: path: ")]
     names = [line.split(" = ")[0].removeprefix("rloo: path: ") for line in lines]
-    assert names == ["versions", "precision", "KV cache"], lines
-    assert f"torch {torch.__version__}" in lines[0] and lines[2].endswith("= KVBuffer (grows in place)")
+    assert names == ["versions", "precision", "training rows", "KV cache", "packed attention"], lines
+    assert f"torch {torch.__version__}" in lines[0] and lines[3].endswith("= KVBuffer (grows in place)")
