@@ -49,7 +49,8 @@ def expression(rng, terms=2, max_number=99, max_factor=12):
 
 
 def problem_key(text):
-    """Equal for a + b and b + a (a * b and b * a): the test split holds no swapped train problem."""
+    """Equal for a + b and b + a (a * b and b * a): the test split holds no swapped train
+    problem."""
     parts = text.split(" ")
     if len(parts) == 3 and parts[1] in "+*":
         parts[0], parts[2] = sorted((parts[0], parts[2]))

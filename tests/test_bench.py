@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_the_multi_turn_benchmark_runs():
-    out = subprocess.run([sys.executable, "bench.py", "--multi_turn", "--config", "overhead", "--steps", "4"],
+    out = subprocess.run([sys.executable, "benchmarks/bench.py", "--multi_turn", "--config", "overhead", "--steps", "4"],
                          capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line for line in out.stdout.splitlines() if "s per batch of 16" in line]
@@ -25,7 +25,7 @@ def test_the_multi_turn_benchmark_runs():
 def test_the_long_tail_benchmark_reports_padded_and_packed_side_by_side(multi_turn):
     """One run, one table: each variant's training tokens/s, phase times and peak memory (its own
     process), after the batch's padding share."""
-    out = subprocess.run([sys.executable, "bench.py", "--long_tail", "--steps", "4", *multi_turn],
+    out = subprocess.run([sys.executable, "benchmarks/bench.py", "--long_tail", "--steps", "4", *multi_turn],
                          capture_output=True, text=True, cwd=ROOT, timeout=900,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
@@ -40,7 +40,7 @@ def test_compare_times_this_tree_against_a_commit_pair_by_pair():
     """bench.py --compare HEAD on the embedded default (3 steps): B is checked out into a temporary worktree, gone
     after; one row per pair and a median row, each with its A/B ratio."""
     before = subprocess.run(["git", "worktree", "list"], capture_output=True, text=True, cwd=ROOT).stdout
-    out = subprocess.run([sys.executable, "bench.py", "--compare", "HEAD", "--pairs", "2", "--embedded_steps", "3",
+    out = subprocess.run([sys.executable, "benchmarks/bench.py", "--compare", "HEAD", "--pairs", "2", "--embedded_steps", "3",
                           "--real_steps", "0"], capture_output=True, text=True, cwd=ROOT, timeout=900,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
@@ -77,7 +77,7 @@ def test_the_benchmark_reports_each_phases_model_flops_and_mfu():
     flops = bench.phase_flops(sizes, prompt_tokens=40, completion_tokens=60, rows=10)
     forward = 2 * weights * 100 + 4 * attention * 10 * 10 ** 2 / 2 + 2 * vocab * hidden * 60
     assert flops == {"time/generation": forward, "time/reference": forward, "time/forward_backward": 3 * forward}
-    out = subprocess.run([sys.executable, "bench.py", "--config", "overhead", "--steps", "4"], capture_output=True,
+    out = subprocess.run([sys.executable, "benchmarks/bench.py", "--config", "overhead", "--steps", "4"], capture_output=True,
                          text=True, cwd=ROOT, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     peaks = re.search(r"matmul peak.*fp32 ([\d.]+) GFLOP/s, bf16 ([\d.]+) GFLOP/s", out.stdout)

@@ -32,7 +32,7 @@ NOT_NAMES = {"py", "md", "json", "jsonl", "txt", "csv", "parquet", "safetensors"
              "jinja"}  # file names: metrics.jsonl, rloo.lock
 # torchrun's own flags (the launch recipes)
 OTHER_FLAGS = {"nproc_per_node", "rdzv_endpoint", "rdzv_backend", "rdzv_id", "node_rank", "master_addr",
-               "master_port"}
+               "master_port", "write_data"}  # torchrun's; recipes/arithmetic.py's own
 
 
 def read(path):
@@ -112,14 +112,14 @@ def test_the_name_check_finds_a_stale_name():
 
 def test_every_file_and_flag_the_docs_mention_exists():
     fields = set(config.Config.__dataclass_fields__)
-    bench = {flag for tool in ("bench.py", "bench_learning.py", "gpu_check.py")
+    bench = {flag for tool in ("benchmarks/bench.py", "benchmarks/bench_learning.py", "benchmarks/gpu_check.py")
              for flag in re.findall(r'add_argument\("--(\w+)"', read(tool))}
     problems = []
     for where, text in texts().items():
         for match in re.finditer(r"(?<![\w/.-])([\w/.-]*\w\.py)\b", text):
             path = match[1]
             if not EXAMPLE_FILES.search(path) and not any(os.path.exists(os.path.join(ROOT, d, path))
-                                                          for d in ("", "tests", "tests/data")):
+                                                          for d in ("", "tests", "tests/data", "benchmarks")):
                 problems.append((where, path))
         for flag in re.findall(r"--([a-z0-9]+(?:_[a-z0-9]+)+)", text):  # ours have underscores; vLLM's hyphens
             if flag.removeprefix("no_") not in fields | bench | OTHER_FLAGS:  # --no_X: a boolean's off
@@ -164,7 +164,8 @@ def test_the_lists_of_built_ins_are_the_codes():
         assert name in helped and re.search(rf"`{name}\b", read("docs/rewards.md")), name
     for name in environments.BUILTINS:
         assert name in helped and re.search(rf"\b{name}\b", read("docs/multi-turn.md")), name
-    on_disk = {f for f in os.listdir(ROOT) if f.endswith((".py", ".sh")) and not f.startswith("my_")}
+    on_disk = {os.path.join(folder, f) for folder in ("", "benchmarks", "recipes")
+               for f in os.listdir(os.path.join(ROOT, folder)) if f.endswith((".py", ".sh")) and not f.startswith("my_")}
     assert set(PRODUCT_FILES) == on_disk - {"conftest.py"}, set(PRODUCT_FILES) ^ on_disk
 
 

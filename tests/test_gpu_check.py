@@ -46,7 +46,7 @@ def test_the_gpu_check_fits_in_7_minutes_of_one_h200_by_its_own_estimate():
 def test_gpu_check_runs_on_cpu_with_a_tiny_shape_reporting_each_run_as_it_ends(tmp_path):
     report, log = tmp_path / "gpu.jsonl", tmp_path / "output.txt"
     with open(log, "w") as output:
-        suite = subprocess.Popen([sys.executable, "gpu_check.py", "--tiny", "--steps", "4", "--deadline", "800",
+        suite = subprocess.Popen([sys.executable, "benchmarks/gpu_check.py", "--tiny", "--steps", "4", "--deadline", "800",
                                   "--report", str(report)], stdout=output,
                                  stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
         try:
@@ -88,7 +88,7 @@ def test_gpu_check_runs_on_cpu_with_a_tiny_shape_reporting_each_run_as_it_ends(t
 
 
 def test_a_gpu_check_past_its_deadline_reports_every_run_not_run():
-    out = subprocess.run([sys.executable, "gpu_check.py", "--tiny", "--deadline", "0"],
+    out = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--tiny", "--deadline", "0"],
                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 1, out.stderr[-3000:]
     lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]

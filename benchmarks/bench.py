@@ -1,23 +1,25 @@
 """Benchmark: one named config, N steps; prints median seconds per phase, tokens/s, steps/s and peak
-memory.
+memory. Run from the repository's root, as every command of the README:
 
-    python bench.py --config overhead             # 0.15M params, G=4, 16 completions a step
-    python bench.py --config compute              # 4.2M params, G=8, 64 completions, <= 64 tokens
-    python bench.py --config compute --trainer trl  # the same work with TRL's RLOOTrainer (pip
-                                                  # install trl elsewhere: not a dependency)
-    python bench.py --scaling                     # step time vs completion length and model size
-    python bench.py --multi_turn --config compute  # 4-turn generation, KV cache kept or not
-    python bench.py --long_tail --config compute  # the training passes on long-tailed lengths:
-                                                  # padded vs --padding_free (and a token budget);
-                                                  # with --multi_turn on multi-turn trajectories
-    torchrun --standalone --nproc_per_node=2 bench.py --config compute
-    python bench.py --config compute --use_vllm   # any other flag goes to train.py
-    python bench.py --config smollm2 --use_peft   # LoRA (peft's default targets: q_proj, v_proj)
-    python bench.py --config smollm2 --bf16 --trainer trl  # either trainer in bf16
-    python bench.py --config compute --server_cores 1 [--async_generation]  # a vLLM server on
-                                                  # core 1, the trainer on core 0
-    python bench.py --config gpu                  # a Qwen2.5-0.5B shape (bf16, G=8, 32 prompts,
-                                                  # 128 tokens): one run of gpu_check.py's variants
+    python benchmarks/bench.py --config overhead   # 0.15M params, G=4, 16 completions a step
+    python benchmarks/bench.py --config compute    # 4.2M params, G=8, 64 completions, <= 64 tokens
+    python benchmarks/bench.py --config compute --trainer trl  # the same work with TRL's
+                                                   # RLOOTrainer (not a dependency)
+    python benchmarks/bench.py --scaling           # step time vs completion length and model size
+    python benchmarks/bench.py --multi_turn --config compute  # 4-turn generation, KV cache kept
+                                                   # or not
+    python benchmarks/bench.py --long_tail --config compute  # the training passes on long-tailed
+                                                   # lengths: padded vs --padding_free (and a
+                                                   # token budget); with --multi_turn on
+                                                   # multi-turn trajectories
+    torchrun --standalone --nproc_per_node=2 benchmarks/bench.py --config compute
+    python benchmarks/bench.py --config compute --use_vllm  # any other flag goes to train.py
+    python benchmarks/bench.py --config smollm2 --use_peft  # LoRA (peft's default targets)
+    python benchmarks/bench.py --config smollm2 --bf16 --trainer trl  # either trainer in bf16
+    python benchmarks/bench.py --config compute --server_cores 1 [--async_generation]  # a vLLM
+                                                   # server on core 1, the trainer on core 0
+    python benchmarks/bench.py --config gpu        # a Qwen2.5-0.5B shape (bf16, G=8, 32 prompts,
+                                                   # 128 tokens): a gpu_check.py variant
 
 Both trainers load the same model directory (built from a config with a fixed seed and saved once),
 the same prompts, G, batch, max_completion_length, beta=0.05, temperature 1, fp32, constant learning
@@ -43,16 +45,19 @@ import sys
 import tempfile
 import time
 
-import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # the trainer's files, one folder up
 
-import bench_compare
-import bench_shapes
-import distributed
-import metrics
-import rewards
-import train
-import vllm_server
+import torch  # noqa: E402
+from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E402
+
+import bench_compare  # noqa: E402
+import bench_shapes  # noqa: E402
+import distributed  # noqa: E402
+import metrics  # noqa: E402
+import rewards  # noqa: E402
+import train  # noqa: E402
+import vllm_server  # noqa: E402
 
 # Qwen2.5-0.5B's shape (tied embeddings, grouped-query attention); its weights are random here
 QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -73,8 +78,7 @@ CONFIGS = {
 }
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1,
             vocab_size=256)
-ADDITION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "data",
-                        "addition.jsonl")
+ADDITION = os.path.join(ROOT, "tests", "data", "addition.jsonl")
 PEAK_METHOD = "GPU max_memory_allocated" if torch.cuda.is_available() else "VmHWM"
 PHASES = ["time/generation", "time/weight_sync", "time/reference", "time/rewards",
           "time/forward_backward",
@@ -87,7 +91,7 @@ def task_files(c):
     last_number_reward."""
     if c["model"] is not None:
         return build_model(tempfile.mkdtemp(prefix="bench-model-"), c["model"]), None, "task_reward"
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
     from smollm2 import build_smollm2
 
     return build_smollm2(os.path.join(tempfile.gettempdir(),

@@ -5,8 +5,8 @@ held-out greedy accuracy against training time for each. The runs go one after t
 --together runs them in pairs at once, each on its share of the cores (the same conditions for
 both on a machine too busy to give either all of it).
 
-    python bench_learning.py --model runs/smollm2 --minutes 30 --rloo_seeds 0 1 2 --trl_seeds 0
-    python bench_learning.py --report runs/learning        # the table and plot of finished runs
+    python benchmarks/bench_learning.py --model runs/smollm2 --minutes 30 --rloo_seeds 0 1 2
+    python benchmarks/bench_learning.py --report --out runs/learning  # the table and plot again
 
 Each run's curve goes to OUT/<trainer>-<seed>.json. rloo evaluates itself (eval_reward, greedy, on
 the test split); TRL's model is evaluated here by greedy_accuracy, an evaluator of neither trainer,
@@ -23,8 +23,8 @@ import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "recipes"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "recipes")]  # the trainer's files, one folder up
 
 import arithmetic  # noqa: E402
 import rewards  # noqa: E402
@@ -126,7 +126,7 @@ def write(path, curve):
 
 
 def rloo_command(model_dir, dataset, seed, minutes, out):
-    return [sys.executable, os.path.join(HERE, "recipes", "arithmetic.py"), "--model", model_dir,
+    return [sys.executable, os.path.join(ROOT, "recipes", "arithmetic.py"), "--model", model_dir,
             "--dataset", dataset, "--seed", str(seed), "--max_train_minutes", str(minutes),
             "--output_dir", out, "--save_strategy", "no"]
 
@@ -274,7 +274,7 @@ def main(argv=None):
     os.makedirs(a.out, exist_ok=True)
     if not a.report:
         if a.model is None:
-            sys.path.insert(0, os.path.join(HERE, "tests"))
+            sys.path.insert(0, os.path.join(ROOT, "tests"))
             from smollm2 import build_smollm2
             a.model = build_smollm2(os.path.join(a.out, "smollm2"))
         a.dataset = a.dataset or arithmetic.write_data(os.path.join(a.out, "data"))

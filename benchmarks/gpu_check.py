@@ -9,9 +9,9 @@ claims hold (it learns, the precision the device computed in, the path it took, 
 bound, what a resume gives), not by its exit code; a run whose needs this machine lacks (vLLM, a
 second GPU, SmolLM2) is reported not run, with why.
 
-    python gpu_check.py --report gpu.jsonl      # on one GPU
-    python gpu_check.py --tiny --steps 4        # a tiny model and batch: the check itself, on a CPU
-    python gpu_check.py --only compile resume   # these runs again (and the ones they need)
+    python benchmarks/gpu_check.py --report gpu.jsonl     # on one GPU
+    python benchmarks/gpu_check.py --tiny --steps 4       # a tiny shape: the check itself, on a CPU
+    python benchmarks/gpu_check.py --only compile resume  # these again (and the ones they need)
 
 It fits the device's 15-minute lease: its estimate per run (estimates, token counts at assumed H200
 rates, not measured), printed first, is under 7 minutes in all for a one-GPU machine without vLLM
@@ -20,9 +20,9 @@ rates, not measured), printed first, is under 7 minutes in all for a one-GPU mac
 device and how each figure is measured; each claim is one verdict line (PASS, FAIL, NOT RUN). The
 GPU machine (Python 3.12, no network) lacks datasets and TRL; here, then there:
 
-    python gpu_check.py --wheels .whl  # GPU_WHEELS; the image has their other requirements
+    python benchmarks/gpu_check.py --wheels .whl  # GPU_WHEELS; the image has their requirements
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-    PYTHONPATH=/tmp/site python3 gpu_check.py --report $OUT/gpu.jsonl
+    PYTHONPATH=/tmp/site python3 benchmarks/gpu_check.py --report $OUT/gpu.jsonl
 
 which checks the installed versions first and names any missing or too old (datasets needs
 pyarrow>=24; should the image's be older: --wheels .whl pyarrow==26.0.1, a 55 MB wheel). The
@@ -49,16 +49,19 @@ import time
 from dataclasses import dataclass, field
 from importlib import metadata
 
-import torch
-from packaging.requirements import Requirement
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "recipes")]  # the trainer's files, one folder up
 
-import bench
-import stack
-from config import EMBEDDED_PRESET
+import torch  # noqa: E402
+from packaging.requirements import Requirement  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-BENCH_PY, TRAIN_PY = os.path.join(HERE, "bench.py"), os.path.join(HERE, "train.py")
-RECIPE_PY = os.path.join(HERE, "recipes", "arithmetic.py")
+import arithmetic  # noqa: E402
+import bench  # noqa: E402
+import stack  # noqa: E402
+from config import EMBEDDED_PRESET  # noqa: E402
+
+BENCH_PY, TRAIN_PY = os.path.join(ROOT, "benchmarks", "bench.py"), os.path.join(ROOT, "train.py")
+RECIPE_PY = os.path.join(ROOT, "recipes", "arithmetic.py")
 
 
 @dataclass
@@ -164,8 +167,8 @@ def needs_unmet(variant, gpus, vllm, smollm2):
 
 
 # The GPU machine's Python 3.12 has torch, transformers, peft and GPU_IMAGE, not datasets or TRL:
-# they travel as wheels (python gpu_check.py --wheels .whl), each of whose requirements is carried
-# too or already there (a test checks). The suite first checks the versions installed (unmet).
+# they travel as wheels (gpu_check.py --wheels .whl), each of whose requirements is carried too or
+# already there (a test checks). The suite first checks the versions installed (unmet).
 GPU_WHEELS = {"datasets": "5.2.0", "dill": "0.4.1", "multiprocess": "0.70.19", "trl": "1.16.0"}
 GPU_IMAGE = {"accelerate", "filelock", "fsspec", "huggingface-hub", "jinja2", "numpy", "packaging",
              "pandas", "peft", "psutil", "pyarrow", "pyyaml", "tqdm", "transformers", "xxhash"}
@@ -275,7 +278,7 @@ def variant_command(args, name, variant, c, steps, extra, model, out):
                      "--nproc_per_node=2"] if name == "nccl" else [sys.executable])
         return launcher + [TRAIN_PY, *flags], None, lambda output: train_row(out, output)
     batch = SERVER_BATCH // c["num_generations"] if args.tiny else SERVER_BATCH
-    cmd = ["bash", os.path.join(HERE, "launch.sh"), "--model", model, "--dataset",
+    cmd = ["bash", os.path.join(ROOT, "launch.sh"), "--model", model, "--dataset",
            os.path.join(model, "data.jsonl"), "--reward_funcs", "task_reward", "--bf16", "true",
            "--num_generations", str(c["num_generations"]), "--per_device_train_batch_size",
            str(batch), "--max_completion_length", str(c["max_completion_length"]),
@@ -288,8 +291,7 @@ def variant_command(args, name, variant, c, steps, extra, model, out):
 def recipe_command(args, out):
     """recipes/arithmetic.py on SmolLM2 (built here, with the task's data) for LEARNING_MINUTES;
     --tiny: two steps of 8 completions, evaluated on 16 problems after each."""
-    sys.path[:0] = [os.path.join(HERE, "tests"), os.path.join(HERE, "recipes")]
-    import arithmetic
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
     from smollm2 import build_smollm2
     model = build_smollm2(out + "-smollm2")
     data = arithmetic.write_data(out + "-data", num_test=16 if args.tiny else 500)

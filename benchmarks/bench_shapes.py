@@ -13,21 +13,25 @@ allocator's max_memory_allocated on a GPU), reported above what was in use befor
 import argparse
 import dataclasses
 import json
+import os
 import shutil
 import statistics
 import subprocess
 import sys
 import time
 
-import torch
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # the trainer's files, one folder up
 
-import environments
-import forward
-import metrics
-import prompting
-import rollout
-import train
-from batches import Rollout
+import torch  # noqa: E402
+
+import environments  # noqa: E402
+import forward  # noqa: E402
+import metrics  # noqa: E402
+import prompting  # noqa: E402
+import rollout  # noqa: E402
+import train  # noqa: E402
+from batches import Rollout  # noqa: E402
 
 VARIANTS = {"padded": ["--padding_free", "false"], "padding_free": ["--padding_free", "true"],
             "padding_free, 4096 tokens": ["--padding_free", "true",

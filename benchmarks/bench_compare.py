@@ -2,9 +2,9 @@
 on the embedded default (`python train.py`, start-up included) and a few steps of a real model
 (SmolLM2-135M-Instruct on the addition questions, where it is built).
 
-    python bench.py --compare e552d65       # 3 pairs of each workload, A = this tree, B = e552d65
-    python bench.py --compare HEAD --pairs 5 --embedded_steps 100 --real_steps 0  # embedded only
-    python bench.py --unmeasured            # B = this tree with timed() measuring nothing
+    python benchmarks/bench.py --compare e552d65  # 3 pairs a workload, A = this tree, B = e552d65
+    python benchmarks/bench.py --compare HEAD --pairs 5 --embedded_steps 100 --real_steps 0
+    python benchmarks/bench.py --unmeasured       # B = this tree with timed() measuring nothing
 
 B is checked out into a temporary git worktree (removed after). Each workload runs A, B, A, B, ...
 as whole processes (wall seconds, and CPU seconds from the OS's account of the finished child); a
@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 ADDITION = os.path.join(ROOT, "tests", "data", "addition.jsonl")
 # the cost of measuring: train.py with metrics.timed measuring nothing (its MEASURE switch)
 UNMEASURED = "import sys, metrics, train; metrics.MEASURE[0] = False; train.main(sys.argv[1:])"
