@@ -42,7 +42,9 @@ RUNS = """
     except train.Failed as e:
         failed = str(e)
     try:
-        os.kill(os.getpid(), signal.SIGINT)
+        # raise_signal: to this thread, its handler run before it returns (os.kill may reach another
+        # thread, the handler running a few bytecodes later: past the next line)
+        signal.raise_signal(signal.SIGINT)
         interrupted = False
     except KeyboardInterrupt:
         interrupted = True
