@@ -1,10 +1,10 @@
 """Prompts: the datasets a run trains and evaluates on (any `datasets` source, or the embedded
 task), the checks on them before training starts, and which rows each rank takes at each step.
 
-Prompt order is a pure function of the data position, the prompt batches drawn so far
-(prompt_indices; batches.py keeps the position), so a resumed run draws exactly the prompts the
-interrupted one would have. Turning prompts into completions is rollout.py's job; scoring them is
-rewards.py's.
+Prompt order is decided in one place, epoch_order, and read at the data position, the prompt
+batches drawn so far (prompt_indices; batches.py keeps the position), so a resumed run draws
+exactly the prompts the interrupted one would have. A stream's order is its own, shuffled in a
+buffer. Turning prompts into completions is rollout.py's job; scoring them is rewards.py's.
 """
 
 import hashlib
@@ -374,20 +374,26 @@ def steps_per_epoch(dataset, cfg):
     return len(dataset) // (prompts_per_rank(cfg) * distributed.world_size())
 
 
-def prompt_indices(position, num_rows, prompts_per_rank, seed, shuffle, shard=None):
-    """Dataset rows of the position-th prompt batch for this rank: a pure function of the position,
-    so resuming is exact.
+def epoch_order(dataset, epoch, cfg):
+    """The run's data order, decided here alone: one pass over the prompts (an epoch) as the run
+    reads it, len(dataset) row indices. A seeded permutation of each epoch (--shuffle_dataset,
+    TRL's default), else the dataset's own order. A new order (a curriculum: README 'How to change
+    one thing') replaces this function; kept a function of its arguments, every rank reads the same
+    order and a resumed run the rows the interrupted one would have."""
+    if not cfg.shuffle_dataset:
+        return torch.arange(len(dataset))
+    return torch.randperm(len(dataset), generator=torch.Generator().manual_seed(cfg.seed + epoch))
 
-    Every rank draws the same seeded permutation of each epoch and takes its own disjoint slice.
-    shard: (rank, world_size), by default this process's.
-    """
+
+def prompt_indices(position, dataset, prompts_per_rank, cfg, shard=None):
+    """Dataset rows of the position-th prompt batch for this rank: its slice of epoch_order, a
+    pure function of the position, so resuming is exact; the ranks' slices are disjoint. shard:
+    (rank, world_size), by default this process's."""
     rank, world_size = shard or (distributed.rank(), distributed.world_size())
     per_step = prompts_per_rank * world_size
-    epoch, i = divmod(position, num_rows // per_step)
-    order = (torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))
-             if shuffle
-             else torch.arange(num_rows))
+    epoch, i = divmod(position, len(dataset) // per_step)
     start = i * per_step + rank * prompts_per_rank
+    order = torch.as_tensor(epoch_order(dataset, epoch, cfg))
     return order[start:start + prompts_per_rank].tolist()
 
 
@@ -402,7 +408,7 @@ def prompt_batches(dataset, cfg, start, digest=None):
     """
     P = prompts_per_rank(cfg)
     if hasattr(dataset, "__len__"):
-        return (dataset[prompt_indices(position, len(dataset), P, cfg.seed, cfg.shuffle_dataset)]
+        return (dataset[prompt_indices(position, dataset, P, cfg)]
                 for position in itertools.count(start))
     rows = stream_rows(dataset, cfg, digest or hashlib.sha256())
     for _ in range(start * P):

@@ -10,6 +10,7 @@ import importlib
 import inspect
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -223,5 +224,53 @@ def test_the_worked_example_trains_and_keeps_the_house_rules(tmp_path):
     assert logged[-1]["reward"] > logged[0]["reward"], logged
     rules = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_shape.py",
                             "tests/test_docs.py::test_the_advantage_estimators_are_the_table_and_the_functions"],
+                           capture_output=True, text=True, cwd=copy, timeout=600)
+    assert rules.returncode == 0, rules.stdout[-3000:]
+
+
+CURRICULUM_CHECK = """
+import json, sys
+from datasets import load_dataset
+import config, data
+dataset = load_dataset("json", data_files=sys.argv[1], split="train")
+cfg = config.parse_config(["--dataset", sys.argv[1]])
+per_epoch = len(dataset) // 16
+def epoch(e):  # the difficulties of epoch e's rows as the two ranks draw them, step by step
+    return [dataset[i]["difficulty"] for p in range(e * per_epoch, (e + 1) * per_epoch) for r in range(2)
+            for i in data.prompt_indices(p, dataset, 8, cfg, shard=(r, 2))]
+print(json.dumps({"first": epoch(0), "later": epoch(1)}))
+"""
+
+
+def test_the_curriculum_example_orders_the_prompts_and_trains(tmp_path):
+    """README 'Worked example: a curriculum', its block in place of data.epoch_order in a copy of the repository, as
+    a reader would apply it: two ranks' batches of the first epoch come easiest first and cover it, the next epoch
+    is shuffled, the embedded model trains on a dataset with a difficulty column, and the copy keeps the house
+    rules."""
+    section = read("README.md").split("### Worked example: a curriculum")[1].split("\n### ")[0]
+    (function,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    copy = tmp_path / "rloo"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "runs", "__pycache__", ".pytest_cache"))
+    source = (copy / "data.py").read_text()
+    start = source.index("def epoch_order(")
+    (copy / "data.py").write_text(source[:start] + function.rstrip() + source[source.index("\n\n\ndef ", start):])
+    rng, path = random.Random(0), tmp_path / "curriculum.jsonl"
+    digits = ["".join(rng.choice("0123456789") for _ in range(4)) for _ in range(512)]
+    path.write_text("".join(json.dumps({"prompt": d + "=", "target": d, "difficulty": len(set(d))}) + "\n"
+                            for d in digits))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    order = subprocess.run([sys.executable, "-c", CURRICULUM_CHECK, str(path)], capture_output=True, text=True,
+                           cwd=copy, timeout=300, env=env)
+    assert order.returncode == 0, order.stderr[-3000:]
+    drawn = json.loads(order.stdout.strip().splitlines()[-1])
+    assert drawn["first"] == sorted(len(set(d)) for d in digits)  # the whole epoch, easiest first
+    assert drawn["later"] != drawn["first"] and sorted(drawn["later"]) == drawn["first"]  # then shuffled
+    run = subprocess.run([sys.executable, "train.py", "--dataset", str(path), "--max_steps", "150",
+                          "--logging_steps", "30", "--output_dir", str(tmp_path / "out")], capture_output=True,
+                         text=True, cwd=copy, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert logged[-1]["reward"] > logged[0]["reward"] + 0.2, logged  # 0.09 -> 0.55 here
+    rules = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_shape.py"],
                            capture_output=True, text=True, cwd=copy, timeout=600)
     assert rules.returncode == 0, rules.stdout[-3000:]

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import checkpoint
+import config
 import data
 import distributed
 import forward
@@ -269,10 +270,13 @@ def test_gradient_accumulation_equals_one_big_batch():
 
 
 def test_prompt_indices_are_disjoint_across_ranks_and_cover_an_epoch():
-    rows = [data.prompt_indices(s, 24, 3, seed=1, shuffle=True, shard=(r, 2)) for s in range(4) for r in range(2)]
+    cfg, dataset = config.parse_config(["--seed", "1"]), list(range(24))
+    rows = [data.prompt_indices(s, dataset, 3, cfg, shard=(r, 2)) for s in range(4) for r in range(2)]
     flat = [i for r in rows for i in r]
     assert sorted(flat) == list(range(24))  # 4 steps x 2 ranks x 3 prompts: one epoch, no repeats
-    assert data.prompt_indices(4, 24, 3, 1, True, shard=(0, 2)) != rows[0]  # next epoch reshuffles
+    assert data.prompt_indices(4, dataset, 3, cfg, shard=(0, 2)) != rows[0]  # next epoch reshuffles
+    cfg.shuffle_dataset = False  # the dataset's own order
+    assert [data.prompt_indices(s, dataset, 3, cfg, shard=(0, 2)) for s in range(2)] == [[0, 1, 2], [6, 7, 8]]
 
 
 # ------------------------------------------------------------------------------------------------ end to end
