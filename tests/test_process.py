@@ -27,6 +27,9 @@ RUNS = """
                 "group": torch.distributed.is_initialized(),
                 "user_modules": sorted(m for m in sys.modules if m.startswith("rloo_user"))}
 
+    # a fresh interpreter's Ctrl-C, whatever the parent left: a shell's background job (`pytest &`)
+    # starts with SIGINT ignored, which Python keeps, and nothing would raise below
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     out, reward_file = sys.argv[1], sys.argv[2]
     flags = ["--max_steps", "12", "--logging_steps", "12", "--reward_funcs", reward_file + ":copied"]
     before, results, native = state(), [], []
@@ -42,9 +45,7 @@ RUNS = """
     except train.Failed as e:
         failed = str(e)
     try:
-        # raise_signal: to this thread, its handler run before it returns (os.kill may reach another
-        # thread, the handler running a few bytecodes later: past the next line)
-        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)  # to this thread: its handler runs before it returns
         interrupted = False
     except KeyboardInterrupt:
         interrupted = True
