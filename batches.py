@@ -53,8 +53,8 @@ class Rollout:
     # vision-language: rows (a slice) -> the processor's tensors of those rows, for the forward
     pixel_inputs: Callable | None = None
     suppressed_ids: torch.Tensor | None = None  # image placeholders the sampler never emits
-    # (top_k, top_p, min_p) the sampler truncated to, the forward replays (--replay_sampling_mask)
-    sampling_filter: tuple | None = None
+    # {filter: value} the sampler truncated to, the forward replays (--replay_sampling_mask)
+    sampling_filter: dict | None = None
     rewards_per_func: torch.Tensor | None = None  # [B, K] when dynamic sampling scored it already
     timings: dict = field(default_factory=dict)  # seconds spent inside generation, e.g. the push
     # what reward functions logged (TRL's log_extra, log_metric): column -> B values, name -> values

@@ -14,7 +14,10 @@ from transformers import get_scheduler
 
 import stack
 from config import Config, fail, generation_steps
-from sampler_rules import logit_shapers, replays_filters, sampler_logps_exact
+from sampler_rules import (FILTERS, active_filters, logit_shapers, replays_filters,
+                           sampler_logps_exact)
+
+FILTER_NAMES = "/".join(FILTERS)  # in the lines below
 
 # the oldest vLLM the generation paths are written for (README 'Supported versions')
 VLLM_OLDEST = "0.32"
@@ -131,7 +134,7 @@ def check_replay(cfg):
     if not cfg.replay_sampling_mask:
         return
     if not replays_filters(cfg):
-        fail("--replay_sampling_mask replays top_k, top_p or min_p, and none is set: drop it")
+        fail(f"--replay_sampling_mask replays {FILTER_NAMES}, and none is set: drop it")
     shaped = logit_shapers(cfg) + (["environment/tools"] if cfg.environment or cfg.tools else [])
     if shaped:
         fail(f"--replay_sampling_mask with {shaped[0]}: the kept set then depends on more than "
@@ -152,10 +155,13 @@ def check_vllm(cfg, world_size):
                                      "off_policy_mask_threshold") if getattr(cfg, name)]
     if corrections and not sampler_logps_exact(cfg):
         fail(f"{corrections[0]} needs vLLM's log-probs of log_softmax(logits / T), "
-             "which vLLM cannot report with repetition_penalty, top_k, top_p, min_p, "
+             f"which vLLM cannot report with repetition_penalty, {FILTER_NAMES}, "
              "generation_kwargs other than stop_token_ids or a structured-outputs regex (and, in "
-             "server mode, at any temperature with them): drop those or the correction (top_k, "
-             "top_p and min_p are fine with --replay_sampling_mask)")
+             "server mode, at any temperature with them): drop those or the correction "
+             f"({FILTER_NAMES} are fine with --replay_sampling_mask)")
+    missing = [f for f in active_filters(cfg) if FILTERS[f][1] is None]
+    if missing:
+        fail(f"--{missing[0]}: vLLM has no such filter; drop it or --use_vllm")
     if cfg.vllm_mode == "server" and (cfg.generation_kwargs or {}).get("bad_words_ids"):
         fail("--generation_kwargs bad_words_ids: a vLLM server takes bad words as strings; give "
              "bad_words instead")
@@ -261,9 +267,9 @@ def check_async_and_dynamic(cfg):
              "FSDP2 all-gathers from a second thread); start a vLLM server (./launch.sh --help)")
     if not sampler_logps_exact(cfg):
         fail("--async_generation corrects stale batches with the server's log-probs of "
-             "log_softmax(logits / T), which vLLM cannot report with repetition_penalty, top_k, "
-             "top_p, min_p, generation_kwargs other than stop_token_ids or a structured-outputs "
-             "regex: drop them (or keep top_k/top_p/min_p with --replay_sampling_mask)")
+             f"log_softmax(logits / T), which vLLM cannot report with repetition_penalty, "
+             f"{FILTER_NAMES}, generation_kwargs other than stop_token_ids or a structured-outputs "
+             f"regex: drop them (or keep {FILTER_NAMES} with --replay_sampling_mask)")
     if cfg.dynamic_sampling:
         fail("--dynamic_sampling with --async_generation is not supported: its extra rounds would "
              "mix weights of different steps in one batch; use one of them")

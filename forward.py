@@ -188,7 +188,7 @@ class LogpsHead(torch.nn.Module):
     V=152k). Image placeholders (suppressed) are never sampled, so they are not in the policy's
     distribution either (finite, for the entropy). packed: hidden [1, M, H] are already the
     positions that predict targets [1, M] (a packed row's, selected by logits_to_keep).
-    replayed: (top_k, top_p, min_p) of --replay_sampling_mask, the kept set recomputed per chunk
+    replayed: {filter: value} of --replay_sampling_mask, the kept set recomputed per chunk
     from the chunk's logits (rloo.sampling_mask), so log pi_T is the truncated distribution's; a
     third channel flags the targets that set dropped (score)."""
 
@@ -242,7 +242,7 @@ class LogpsHead(torch.nn.Module):
         # z / T over the kept set; -1e30, not -inf: a finite entropy
         logits = logits.float() / self.temperature
         with torch.no_grad():
-            kept = sampling_mask(logits, *self.replayed)  # [b, t, V], one chunk's
+            kept = sampling_mask(logits, **self.replayed)  # [b, t, V], one chunk's
             # a token the sampler kept at the boundary that these logits drop (other kernels,
             # bf16, older weights: a boundary flip) stays in: its log-prob is then of a
             # slightly larger set, not -1e30; the third channel counts them

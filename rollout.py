@@ -146,7 +146,7 @@ def finish(rows, prompt_ids, prompt_mask, completion_ids, sampler_logps, eos_ids
            replayed=None):
     """Every backend ends here: completions cut at the first EOS, masked, listed unpadded and
     decoded -> Rollout. sampler_logps None: the backend cannot report log pi_T. replayed: the
-    (top_k, top_p, min_p) the log-probs are truncated to (sampler_rules.sampling_filter)."""
+    {filter: value} the log-probs are truncated to (sampler_rules.sampling_filter)."""
     completion_ids, completion_mask, truncated = completion_masks(completion_ids, eos_ids,
                                                                   tokenizer.pad_token_id)
     lengths = completion_mask.sum(-1).tolist()

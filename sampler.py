@@ -1,5 +1,5 @@
 """The distribution the decode loop samples from: --generation_kwargs' processors in vLLM's order,
-then HF's penalty and filters, and the draw: an inverse CDF at a counter-based uniform that makes
+then HF's penalty, the temperature and the logit filters (rloo.sampling_mask, vLLM's), and the draw: an inverse CDF at a counter-based uniform that makes
 every sample a pure function of (seed, row, step), so chunked and resumed generation give the same
 tokens."""
 import dataclasses
@@ -7,24 +7,20 @@ import dataclasses
 import torch
 from transformers.generation.logits_process import (
     MinNewTokensLengthLogitsProcessor,
-    MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
 )
 
 from config import fail
 from rloo import sampling_mask
-from sampler_rules import sampling_filter
+from sampler_rules import active_filters
 
 
 def sampling_processors(cfg, prompt_ids, eos_ids):
     """--generation_kwargs' options in vLLM's order (allowed tokens, bad words, logit bias, min
-    tokens, penalties), then HF's own penalty and filters in HF generate's order (vLLM's:
-    penalties, temperature, filters); applied to the logits after log pi_T is recorded. A model's
-    shipped generation_config (e.g. top_k=20) adds none of its own, so it cannot silently change
-    the sampling. Bad words are token ids here (with_bad_word_ids)."""
+    tokens, penalties), then HF's own penalty, the temperature and the filters, as vLLM does;
+    applied to the logits after log pi_T is recorded. A model's shipped generation_config (e.g.
+    top_k=20) adds none of its own, so it cannot silently change the sampling. Bad words are token ids here (with_bad_word_ids)."""
     extra, processors, prompt_length = cfg.generation_kwargs or {}, [], prompt_ids.shape[1]
     if extra.get("allowed_token_ids"):
         processors.append(allowed_only(extra["allowed_token_ids"]))
@@ -42,22 +38,16 @@ def sampling_processors(cfg, prompt_ids, eos_ids):
         processors.append(RepetitionPenaltyLogitsProcessor(cfg.repetition_penalty))
     if cfg.temperature not in (0.0, 1.0):  # 0: evaluation's greedy decoding (draw)
         processors.append(TemperatureLogitsWarper(cfg.temperature))
-    if sampling_filter(cfg):  # vLLM's filters, which the training forward replays exactly
-        processors.append(replayed_filters(*sampling_filter(cfg)))
-        return processors
-    if cfg.top_k:
-        processors.append(TopKLogitsWarper(cfg.top_k))
-    if cfg.top_p < 1.0:
-        processors.append(TopPLogitsWarper(cfg.top_p))
-    if cfg.min_p is not None:
-        processors.append(MinPLogitsWarper(cfg.min_p))
+    if active_filters(cfg):  # vLLM's, which the training forward replays exactly
+        processors.append(logit_filters(active_filters(cfg)))
     return processors
 
 
-def replayed_filters(top_k, top_p, min_p):
-    """--replay_sampling_mask: every token outside rloo.sampling_mask gets probability 0."""
+def logit_filters(filters):
+    """Top-k, top-p, min-p ({flag: value}): every token outside rloo.sampling_mask gets
+    probability 0."""
     def truncate(ids, scores):
-        return scores.masked_fill(~sampling_mask(scores, top_k, top_p, min_p), float("-inf"))
+        return scores.masked_fill(~sampling_mask(scores, **filters), float("-inf"))
     return truncate
 
 

@@ -10,6 +10,24 @@ in, which decides whether two kernels give the same log-probs.
 from config import GENERATION_KWARGS
 from rloo import importance_weights, off_policy_mask
 
+# The logit filters, each a flag of config.py, in the order both generators apply them
+# (rloo.sampling_mask, vLLM's sampler): flag -> (its value when off, vLLM's SamplingParams value
+# when off; None: vLLM has no such filter, and --use_vllm refuses it). Everything else derives.
+FILTERS = {"min_p": (None, 0.0), "top_k": (0, 0), "top_p": (1.0, 1.0)}
+
+
+def active_filters(cfg):
+    """{flag: value} of the filters cfg sets, in FILTERS' order (None is off too)."""
+    values = {f: getattr(cfg, f) for f in FILTERS}
+    return {f: v for f, v in values.items() if v is not None and v != FILTERS[f][0]}
+
+
+def vllm_filters(cfg):
+    """Every filter vLLM has, as SamplingParams fields: the off ones too, so a server's defaults
+    (a model's generation_config) cannot add a filter."""
+    return {f: getattr(cfg, f) if f in active_filters(cfg) else vllm_off
+            for f, (_, vllm_off) in FILTERS.items() if vllm_off is not None}
+
 
 def vllm_logprobs_mode(cfg, vision=False):
     """raw_logprobs (log_softmax of the raw logits) is log pi_T at T = 1 whatever the penalty and
@@ -23,13 +41,12 @@ def vllm_logprobs_mode(cfg, vision=False):
 def replays_filters(cfg):
     """--replay_sampling_mask with a filter to replay: log-probs are of the truncated
     distribution (rloo.sampling_mask)."""
-    filtered = cfg.top_k or cfg.top_p < 1.0 or cfg.min_p is not None
-    return bool(cfg.replay_sampling_mask and filtered)
+    return bool(cfg.replay_sampling_mask and active_filters(cfg))
 
 
 def sampling_filter(cfg):
-    """(top_k, top_p, min_p) that the training forward replays, or None."""
-    return (cfg.top_k, cfg.top_p, cfg.min_p) if replays_filters(cfg) else None
+    """{flag: value} of the filters the training forward replays (rloo.sampling_mask), or None."""
+    return active_filters(cfg) if replays_filters(cfg) else None
 
 
 def sampler_logps_exact(cfg, vision=False):
@@ -43,7 +60,7 @@ def sampler_logps_exact(cfg, vision=False):
     if not cfg.use_vllm:
         return True
     # replayed filters: processed log-probs are the kept set's, which the trainer scores too
-    filtered = (cfg.top_k or cfg.top_p < 1.0 or cfg.min_p is not None) and not replays_filters(cfg)
+    filtered = bool(active_filters(cfg)) and not replays_filters(cfg)
     plain = not filtered and not logit_shapers(cfg)
     # guided decoding masks the logits before vLLM's sampler sees them: raw ones too
     raw = (cfg.vllm_mode == "colocate" and vllm_logprobs_mode(cfg, vision) == "raw_logprobs"

@@ -26,7 +26,8 @@ from prompting import (eos_token_ids, image_token_ids, pad, pixel_inputs_for, pr
                        prompt_texts, row_images, tokenize_prompts)
 from rollout import finish
 from sampler import with_bad_word_ids
-from sampler_rules import sampler_logps_exact, sampling_filter, vllm_logprobs_mode, weights_dtype
+from sampler_rules import (sampler_logps_exact, sampling_filter, vllm_filters, vllm_logprobs_mode,
+                           weights_dtype)
 import vllm_server
 from vllm_server import ServerEngine, per_prompt_seed
 
@@ -136,8 +137,7 @@ def vllm_sampling(cfg, eos_ids, logprobs):
     extra = dict(cfg.generation_kwargs or {})
     if cfg.vllm_structured_outputs_regex:
         extra["structured_outputs"] = {"regex": cfg.vllm_structured_outputs_regex}
-    return dict(n=cfg.num_generations, temperature=cfg.temperature, top_p=cfg.top_p,
-                top_k=cfg.top_k or 0, min_p=cfg.min_p or 0.0,
+    return dict(n=cfg.num_generations, temperature=cfg.temperature, **vllm_filters(cfg),
                 repetition_penalty=cfg.repetition_penalty, max_tokens=cfg.max_completion_length,
                 logprobs=0 if logprobs else None, skip_special_tokens=False,
                 **{**extra, "stop_token_ids": eos_ids})

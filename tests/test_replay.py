@@ -2,7 +2,6 @@
 and the training forward's are both of the truncated, renormalised distribution the tokens were
 drawn from; without the flag nothing changes."""
 
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ import data
 import forward
 import models
 import rollout
+from config import Config
 from conftest import requires_vllm
 from rloo import sampling_mask
 from test_off_policy import startup_error
@@ -23,11 +23,8 @@ PROMPTS = {"prompt": ["123=", "4=", "98765=", "55="]}
 
 
 def gen_cfg(**overrides):
-    base = dict(num_generations=4, max_completion_length=8, temperature=1.0, top_p=1.0, top_k=0,
-                min_p=None, repetition_penalty=1.0, chat_template_kwargs=None,
-                generation_kwargs=None, generation_chunk_size=0, compile_decode=False,
-                replay_sampling_mask=True)
-    return SimpleNamespace(**{**base, **overrides})
+    """A real Config (every field, its default) with the generation flags a test sets."""
+    return Config(**{**dict(num_generations=4, max_completion_length=8, replay_sampling_mask=True), **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +68,7 @@ def test_top_k_5_log_probs_are_the_log_softmax_over_the_5_kept_tokens(tiny):
     want = picked - torch.logsumexp(top5.values, -1)
     assert_on_tokens(out, recorded, want)
     assert_on_tokens(out, trained, want)
-    assert out.sampling_filter == (5, 1.0, None)
+    assert out.sampling_filter == {"top_k": 5}
     assert out.sampler_logps.isfinite().all()  # padding drawn outside the 5 is masked, not NaN
     with torch.no_grad():  # packed rows (--padding_free) replay the same kept sets
         packed, _, T, _, flips = forward.forward_logps(model, out, slice(None), 1.0, padding_free=True)
@@ -183,7 +180,7 @@ def test_a_boundary_flip_is_counted_and_scored_over_the_kept_set_with_the_token(
     gradient through the chunked head is autograd's of that closed form."""
     torch.manual_seed(0)
     n, H, V, T = 12, 8, 30, 0.7
-    head = forward.LogpsHead(torch.randint(V, (1, n)), T, replayed=(4, 1.0, None))
+    head = forward.LogpsHead(torch.randint(V, (1, n)), T, replayed={"top_k": 4})
     head.lm_head = torch.nn.Linear(H, V, bias=False)
     hidden = torch.randn(1, n + 1, H, requires_grad=True)
     out = head(hidden)  # [1, n, 3]

@@ -1,6 +1,5 @@
 """rollout.py: prompt formatting, EOS masks, truncation, and the sampler's log-probs against a full forward."""
 
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,6 +9,7 @@ import forward
 import models
 import prompting
 import rollout
+from config import Config
 import sampler
 from vllm_server import wait_for_server
 
@@ -19,10 +19,8 @@ CPU = torch.device("cpu")
 
 
 def gen_cfg(**overrides):
-    base = dict(num_generations=3, max_completion_length=6, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
-                repetition_penalty=1.0, chat_template_kwargs=None, generation_kwargs=None, generation_chunk_size=0,
-                compile_decode=False, replay_sampling_mask=False)
-    return SimpleNamespace(**{**base, **overrides})
+    """A real Config (every field, its default) with the generation flags a test sets."""
+    return Config(**{**dict(num_generations=3, max_completion_length=6), **overrides})
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 (seed, row, step), so chunked and resumed generation give the same tokens."""
 
 import collections
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import rollout
+from config import Config
 import sampler
 
 CPU = torch.device("cpu")
@@ -18,10 +18,8 @@ B, V = 4, 4096  # B * V above every tensor of the model's but its logits and its
 
 
 def gen_cfg(**overrides):
-    base = dict(max_completion_length=2, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
-                repetition_penalty=1.0, generation_kwargs=None, generation_chunk_size=0,
-                compile_decode=False, replay_sampling_mask=False)
-    return SimpleNamespace(**{**base, **overrides})
+    """A real Config (every field, its default) with the generation flags a test sets."""
+    return Config(**{**dict(max_completion_length=2), **overrides})
 
 
 @pytest.fixture(scope="module")
