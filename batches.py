@@ -1,5 +1,6 @@
-"""What a step's batch is (`Rollout`, the same for every generator) and where it comes from: the
-next prompts of the data, generated, and optionally filtered.
+"""What a step's batch is (`Rollout`, the same for every generator), where it comes from (the
+next prompts of the data, generated, and optionally filtered) and what scoring makes of it
+(`Scores`).
 
 - Synchronous (default): the step's prompts, sampled with the newest weights.
 - --async_generation (a vLLM server): while the trainer updates on batch t, the server already
@@ -20,6 +21,7 @@ checkpoint saves them.
 
 import collections
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +35,6 @@ import distributed
 from config import fail
 from metrics import timed
 from prompting import pad
-from rloo import combine_rewards
 
 
 @dataclass
@@ -56,6 +57,8 @@ class Rollout:
     # {filter: value} the sampler truncated to, the forward replays (--replay_sampling_mask)
     sampling_filter: dict | None = None
     rewards_per_func: torch.Tensor | None = None  # [B, K] when dynamic sampling scored it already
+    # passes over the prompts (TRL's epoch) before and after its prompts were read; None: a stream
+    epochs: tuple | None = None
     timings: dict = field(default_factory=dict)  # seconds spent inside generation, e.g. the push
     # what reward functions logged (TRL's log_extra, log_metric): column -> B values, name -> values
     logged_columns: dict = field(default_factory=dict)
@@ -133,6 +136,7 @@ class BatchSource:
     def __init__(self, cfg, generator, dataset, rewards, pad_id, saved):
         self.cfg, self.generator, self.rewards, self.pad_id = cfg, generator, rewards, pad_id
         self.position = saved.get("position", 0)
+        self.per_epoch = data.steps_per_epoch(dataset, cfg)  # prompt batches; None: a stream
         self.read = hashlib.sha256()  # a stream's prompts this rank has read (data.prompt_batches)
         self.prompts = data.prompt_batches(dataset, cfg, self.position, self.read)
         self.identity = data.identity(dataset)  # a dataset's rows; None for a stream
@@ -143,20 +147,26 @@ class BatchSource:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="rloo-generate") \
             if cfg.async_generation else None
 
+    def epoch(self):
+        """Passes over the prompts read so far, from the data position (None for a stream)."""
+        return self.position / self.per_epoch if self.per_epoch else None
+
     def generate_next(self):
         """The next prompts, generated (under async generation: a future of it)."""
-        rows, seed = next(self.prompts), request_seed(self.cfg, self.position)
+        rows, seed, before = next(self.prompts), request_seed(self.cfg, self.position), self.epoch()
         self.position += 1
-        if self.pool:
-            return self.pool.submit(self.generator.generate, rows, seed)
-        return self.generator.generate(rows, seed)
+        read = functools.partial(generated, self.generator, rows, seed,
+                                 self.per_epoch and (before, self.epoch()))
+        return self.pool.submit(read) if self.pool else read()
 
     def next(self, step):
         if not self.pool:
             rollout, metrics = self.generate_next(), {}
-            if self.cfg.dynamic_sampling:
+            if self.cfg.dynamic_sampling:  # its extra rounds read further into the data
+                first = rollout.epochs
                 rollout, metrics = fill_with_informative(self.cfg, rollout, self.generate_next,
                                                          self.rewards, step, self.pad_id)
+                rollout.epochs = first and (first[0], self.epoch())
             return rollout, metrics
         metrics = {}
         self.wait_for_in_flight()  # the server is idle before it gets new weights
@@ -192,6 +202,13 @@ class BatchSource:
             self.generator = None
 
 
+def generated(generator, rows, seed, epochs):
+    """The Rollout of these prompts, with the passes over the data before and after them."""
+    rollout = generator.generate(rows, seed)
+    rollout.epochs = epochs
+    return rollout
+
+
 def finished(rollout):
     """A Rollout, or the future of one waited for."""
     return rollout.result() if hasattr(rollout, "result") else rollout
@@ -215,8 +232,7 @@ def fill_with_informative(cfg, rollout, generate_next, rewards, step, pad_id):
     parts, rounds = [], 0
     while True:
         rollout.rewards_per_func = rewards(rollout, G, step)  # [B, K]
-        weights = rewards.weights.to(rollout.rewards_per_func.device)
-        raw = combine_rewards(rollout.rewards_per_func, weights)  # [B]
+        raw = rewards.combine(rollout.rewards_per_func, clipped=False)  # [B]
         parts.append((rollout, informative_groups(raw, G)))
         found = sum(int(informative.sum()) for _, informative in parts)
         # informative groups still wanted, on all ranks
@@ -240,3 +256,16 @@ def informative_groups(raw, G):
     unscored, ignored)."""
     r = raw.view(-1, G)
     return r.nan_to_num(float("inf")).amin(1) < r.nan_to_num(float("-inf")).amax(1)
+
+
+@dataclasses.dataclass
+class Scores:
+    """What scoring gives a Rollout of B completions (paper §3)."""
+    rewards_per_func: torch.Tensor  # [B, K] raw rewards, NaN where a function returned None
+    rewards: torch.Tensor  # [B] R after clipping, minus beta * kl
+    loss_mask: torch.Tensor  # [B, T] completion tokens the loss and the KL see
+    advantages: torch.Tensor  # [B] leave-one-out (normalised with --normalize_advantages)
+    kl_sums: torch.Tensor | None = None  # [B] sum_t (log pi_old - log pi_ref), when beta > 0
+    old_logps: torch.Tensor | None = None  # [B, T] the KL's log pi_old, when beta > 0
+    ref_logps: torch.Tensor | None = None  # [B, T] log pi_ref, when beta > 0
+    timings: dict = dataclasses.field(default_factory=dict)

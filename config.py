@@ -19,65 +19,13 @@ from typing import Literal
 # through here (train.py, which imports transformers first, does the same).
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
-from tqdm import tqdm  # noqa: E402
 from transformers import HfArgumentParser  # noqa: E402
 
-from domains import (BIAS, FINITE, ID_LISTS, IDS, JSON_OBJECT, WORDS,  # noqa: E402
-                     Domain, at_least, between, greater_than, one_of, valid)
+# Failed and fail (a bad value's one line) are domains.py's; every file imports them from here
+from domains import (EVAL_SOURCE, FINITE, JSON_OBJECT, SCHEDULERS, STEPS,  # noqa: E402, F401
+                     Failed, at_least, between, fail, generation_options, greater_than, one_of)
 
 
-class Failed(SystemExit):
-    """A run stopped with one line: bad input, found where it enters, or a condition that makes the
-    run meaningless. A SystemExit, as argparse's errors are: the command line prints the line and
-    exits with status 1, no `except Exception` on the way wraps it, and a caller of train.main
-    catches it by name (str(e) is the line)."""
-
-
-def fail(message):
-    """Stop with one clear line (no traceback). A progress bar on screen is wiped first, or the
-    line would be printed onto the bar's."""
-    for bar in list(tqdm._instances):
-        bar.clear()
-    raise Failed(f"error: {message}")
-
-
-# --generation_kwargs both generators implement, with vLLM SamplingParams' names and meanings,
-# applied in vLLM's order: allowed_token_ids (all others banned), bad_words (token sequences the
-# completion may not end with), logit_bias (added to the logits), EOS (and stop ids) suppressed
-# until min_tokens completion tokens, OpenAI's penalties over the completion so far. The log-probs
-# the trainer scores stay those of softmax(z / T): these shape what is sampled, as top-k does.
-GENERATION_KWARGS = {"min_tokens": (int, at_least(0)), "presence_penalty": (float, FINITE),
-                     "frequency_penalty": (float, FINITE), "stop_token_ids": (IDS, None),
-                     "allowed_token_ids": (IDS, None), "bad_words": (WORDS, None),
-                     "bad_words_ids": (ID_LISTS, None), "logit_bias": (BIAS, None),
-                     "do_sample": (bool, None)}
-# keys that are flags (generation_kwargs wins, as in TRL) or their Hugging Face / vLLM aliases
-GENERATION_FLAGS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                    "min_p": "min_p", "repetition_penalty": "repetition_penalty",
-                    "max_new_tokens": "max_completion_length",
-                    "max_tokens": "max_completion_length"}
-GENERATION_ALIASES = {"min_new_tokens": "min_tokens"}
-# keys refused, and why
-NOT_A_SAMPLE = ("is not a sample of the policy (the completions would not be drawn from pi, so "
-                "the policy gradient would be wrong)")
-GENERATION_REFUSED = {
-    **{k: "beam search " + NOT_A_SAMPLE for k in (
-        "num_beams", "num_beam_groups", "length_penalty", "early_stopping", "diversity_penalty",
-        "use_beam_search", "best_of")},
-    "num_return_sequences": "set --num_generations (completions per prompt)",
-    "n": "set --num_generations (completions per prompt)",
-    "seed": "set --seed (each request is seeded from it)",
-    "structured_outputs": "set --vllm_structured_outputs_regex",
-    "logprobs": "rloo asks for the log-probs it needs",
-    "stop": "give token ids in stop_token_ids (a completion ends at a token, which both "
-            "generators check)"}
-# transformers' schedulers that step on the step count (reduce_lr_on_plateau and greedy step on
-# an eval loss, which an RL run does not have)
-SCHEDULERS = one_of("linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
-                    "constant_with_warmup", "inverse_sqrt", "cosine_with_min_lr",
-                    "cosine_warmup_with_min_lr", "warmup_stable_decay")
-EVAL_SOURCE = Domain("NAME=SOURCE or NAME=SOURCE@SPLIT",
-                     lambda v: v.partition("=")[0].isidentifier() and bool(v.partition("=")[2]))
 # --advantage_estimator NAME: rloo.NAME_advantages(rewards [B], G) -> advantages [B], called by
 # rloo.estimate_advantages for training and evaluation alike. A new estimator is its function in
 # rloo.py and its name here (README 'How to change one thing'); the flag's help and check read this.
@@ -86,8 +34,7 @@ ADVANTAGE_ESTIMATORS = {
 }
 # TRL's vllm_importance_sampling_mode values; the token ones are refused (check_importance_sampling)
 IS_MODES = ("sequence_truncate", "sequence_mask", "token_truncate", "token_mask")
-STEPS = Domain("-1 (run num_train_epochs) or >= 1",
-               lambda v: type(v) is int and (v == -1 or v >= 1))
+
 
 
 class HelpText(str):
@@ -546,30 +493,6 @@ def parse_config(argv=None):
         cfg.vllm_importance_sampling_mode = "sequence_truncate"
         cfg.vllm_importance_sampling_clip_max = cfg.vllm_importance_sampling_cap
     return cfg
-
-
-def generation_options(cfg, options):
-    """--generation_kwargs -> the options both generators implement (GENERATION_KWARGS); keys that
-    are flags set them, aliases are renamed, any other key stops the run with why."""
-    kept = {}
-    for key, value in options.items():
-        key = GENERATION_ALIASES.get(key, key)
-        if key in GENERATION_FLAGS:
-            setattr(cfg, GENERATION_FLAGS[key], value)
-        elif key in GENERATION_REFUSED:
-            fail(f"--generation_kwargs {key}: {GENERATION_REFUSED[key]}")
-        elif key == "do_sample" and value is False:
-            fail("--generation_kwargs do_sample=false: greedy decoding " + NOT_A_SAMPLE)
-        elif key not in GENERATION_KWARGS:
-            fail(f"--generation_kwargs {key}: not an option both generators implement; they are "
-                 f"{', '.join(GENERATION_KWARGS)} and the flags {', '.join(GENERATION_FLAGS)}")
-        elif not valid(value, *GENERATION_KWARGS[key]):
-            kind = GENERATION_KWARGS[key][0]
-            fail(f"--generation_kwargs {key}={json.dumps(value)}: must be "
-                 f"{getattr(kind, '__name__', kind)}")
-        elif key != "do_sample":
-            kept[key] = {int(k): v for k, v in value.items()} if key == "logit_bias" else value
-    return kept
 
 
 def check_flags(cfg):

@@ -18,7 +18,7 @@ import models
 import prompting
 from config import generation_steps
 from metrics import generation_metrics, logged_metrics
-from rloo import combine_rewards, estimate_advantages, rloo_loss
+from rloo import estimate_advantages, rloo_loss
 
 
 @dataclasses.dataclass
@@ -73,7 +73,7 @@ def evaluate_set(cfg, generator, dataset, rewards, model, step):
     cfg = eval_config(cfg)
     G, n, chunks, logged = cfg.num_generations, len(dataset), [], {}
     P, rank = eval_prompts_per_rank(cfg), distributed.rank()
-    aux_coef, weights = models.router_aux_coef(cfg, model), rewards.weights
+    aux_coef = models.router_aux_coef(cfg, model)
     for start in range(0, n, P * distributed.world_size()):
         index = [start + rank * P + j for j in range(P)]
         batch = generator.generate(dataset[[i % n for i in index]])
@@ -84,7 +84,7 @@ def evaluate_set(cfg, generator, dataset, rewards, model, step):
         chunks.append({"rewards_per_func": rewards_per_func.T,
                        "lengths": batch.model_tokens().sum(-1).float(),
                        "truncated": batch.truncated.float(), "valid": valid,
-                       **(unmoved_loss(cfg, batch, rewards_per_func, weights, valid, model)
+                       **(unmoved_loss(cfg, batch, rewards_per_func, rewards, valid, model)
                           if G > 1 else {})})
     columns = distributed.gather({k: torch.cat([c[k] for c in chunks], -1).to(valid.device)
                                   for k in chunks[0]})
@@ -92,9 +92,8 @@ def evaluate_set(cfg, generator, dataset, rewards, model, step):
     loss, aux = columns.pop("loss", None), columns.pop("aux_loss", None)
     columns = {k: v[..., keep] for k, v in columns.items()}
     columns["rewards_per_func"] = columns["rewards_per_func"].T  # [completions, K]
-    columns["rewards"] = combine_rewards(columns["rewards_per_func"], weights.to(keep.device),
-                                         cfg.reward_clip_range)
-    metrics = generation_metrics(columns, rewards.names, weights.to(keep.device), G)
+    columns["rewards"] = rewards.combine(columns["rewards_per_func"])
+    metrics = generation_metrics(columns, rewards, G)
     if G == 1:  # greedy: no group, so no zero-std groups and no leave-one-out loss
         del metrics["frac_reward_zero_std"]
         return {**metrics, **logged_metrics(logged)}
@@ -104,11 +103,11 @@ def evaluate_set(cfg, generator, dataset, rewards, model, step):
     return {**metrics, **logged_metrics(logged)}
 
 
-def unmoved_loss(cfg, batch, rewards_per_func, weights, valid, model):
+def unmoved_loss(cfg, batch, rewards_per_func, rewards, valid, model):
     """TRL's eval_loss of one chunk: the loss at rho = 1 (s = s_old) of its leave-one-out
     advantages, and a MoE model's auxiliary loss, the mean over training-sized micro-batches."""
     G, aux_coef = cfg.num_generations, models.router_aux_coef(cfg, model)
-    shaped = combine_rewards(rewards_per_func, weights.to(valid.device), cfg.reward_clip_range)
+    shaped = rewards.combine(rewards_per_func)
     advantages = estimate_advantages(shaped, G, cfg.advantage_estimator)  # [B]
     advantages = advantages * valid.to(shaped.device)
     unmoved = torch.zeros_like(advantages)  # s = s_old

@@ -25,16 +25,15 @@ class Logger:
     file-size limit, wandb's service gone) is dropped with one warning line and the run goes on:
     training, checkpoints and the other sinks (docs/troubleshooting.md 'Logs')."""
 
-    def __init__(self, cfg, total_steps, state, steps_per_epoch=None):
+    def __init__(self, cfg, total_steps, state):
         """state: where the run starts (checkpoint.TrainerState); resuming restores its metric
         window and keeps the lines of metrics.jsonl up to its step, dropping those an interrupted
-        run wrote after it. steps_per_epoch (None for a stream) gives the epoch metric."""
+        run wrote after it."""
         self.is_main, self.window = distributed.is_main(), state.window
         self.sinks, self.dropped, self.reward, self.last = {}, {}, math.nan, {}
         self.closed = False
         self.printed, self.unique_prompts = cfg.num_completions_to_print, cfg.log_unique_prompts
         self.logging_steps, self.total_steps = cfg.logging_steps, total_steps
-        self.steps_per_epoch = steps_per_epoch
         self.step_end = time.perf_counter()  # step_time: wall time between optimizer-step ends
         if not self.is_main:
             return
@@ -79,9 +78,7 @@ class Logger:
         write everywhere."""
         means = {k: (sum(v) / len(v) if v else None) for k, v in
                  ((k, [x for x in vs if not math.isnan(x)]) for k, vs in self.window.items())}
-        means.update(totals)
-        if self.steps_per_epoch:  # as the Hugging Face Trainer logs it: passes over the prompts
-            means["epoch"] = step / self.steps_per_epoch
+        means.update({k: v for k, v in totals.items() if v is not None})  # epoch: a stream's
         self.window, self.last = {}, {"step": step, **means}
         self.write(step, means)
         return means

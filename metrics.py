@@ -17,7 +17,6 @@ from tqdm import tqdm
 import distributed
 from config import generation_steps
 from prompting import repeat_each, row_images
-from rloo import combine_rewards
 
 
 # The names the trainer owns (docs/reference.md 'Metrics' lists them; what a reward function logs
@@ -196,14 +195,14 @@ def group_nanstd(rewards, G):
     return ((deviation ** 2).sum(-1) / (n - 1)).sqrt().where(n > 1, torch.nan)
 
 
-def generation_metrics(columns, names, weights, G):
+def generation_metrics(columns, rewards, G):
     """Step metrics on the gathered global batch (TRL's names). columns: rewards_per_func [B, K]
     (NaN = None), rewards [B] (KL-shaped, for frac_reward_zero_std), lengths [B], truncated [B],
     and, when beta > 0, kl_sums [B] with loss_tokens [B] (the tokens the KL was summed over)."""
     rewards_per_func, lengths = columns["rewards_per_func"], columns["lengths"]
     truncated = columns["truncated"]
     # before KL and clipping; float64: a mean of +-3e38 rewards is finite (NaN: nothing scored)
-    reward = combine_rewards(rewards_per_func, weights).double()
+    reward = rewards.combine(rewards_per_func, clipped=False).double()
     terminated = lengths[~truncated.bool()]
     m = {"reward": reward.nanmean().item(), "reward_std": nanstd(reward),
          # groups with fewer than two scored members have a NaN std: they do not count as 0
@@ -215,7 +214,7 @@ def generation_metrics(columns, names, weights, G):
     for stat in ("mean", "min", "max"):
         value = getattr(terminated, stat)().item() if len(terminated) else float("nan")
         m[f"completions/{stat}_terminated_length"] = value
-    for k, name in enumerate(names):
+    for k, name in enumerate(rewards.names):
         m[f"rewards/{name}/mean"] = rewards_per_func[:, k].nanmean().item()
         m[f"rewards/{name}/std"] = nanstd(rewards_per_func[:, k])
     if columns.get("kl_sums") is not None:  # token-weighted k1
@@ -241,7 +240,8 @@ def turn_metrics(columns):
 
 def batch_metrics(cfg, batch, scores, rewards, timings):
     """A generated batch's metrics over all ranks (docs/reference.md 'Metrics'), and its prompt +
-    completion tokens. batch: a Rollout; scores: train.Scores; rewards: rewards.RewardFunctions."""
+    completion tokens. batch: a Rollout; scores: batches.Scores; rewards:
+    rewards.RewardFunctions."""
     lengths = batch.model_tokens().sum(-1).float()  # multi-turn: the model's tokens only
     columns = distributed.gather({  # [world * B] each
         "rewards_per_func": scores.rewards_per_func.T, "rewards": scores.rewards,
@@ -250,8 +250,7 @@ def batch_metrics(cfg, batch, scores, rewards, timings):
         "tokens": batch.prompt_mask.sum(-1).float() + lengths,
         "all_tokens": batch.completion_mask.sum(-1).float(), **(batch.turn_stats or {})})
     columns["rewards_per_func"] = columns["rewards_per_func"].T  # [world * B, K]
-    weights = rewards.weights.to(columns["rewards"].device)
-    metrics = generation_metrics(columns, rewards.names, weights, cfg.num_generations)
+    metrics = generation_metrics(columns, rewards, cfg.num_generations)
     if batch.turn_stats is not None:
         metrics.update(turn_metrics(columns))
     for timings_part in (timings, batch.timings, scores.timings):
@@ -309,6 +308,16 @@ def step_metrics(sums, grad_norm, scheduler, timings, batch_tokens):
         if name in sums:  # shares of the step's sequences
             metrics["sampling/" + metric] = sums[name] / sequences
     return metrics
+
+
+def loss_sums(sums, loss, low, high, entropy, mask):
+    """A micro-batch's loss, clip indicators [b], entropy [b, T] into this rank's step sums."""
+    sums["loss"] += loss.detach()
+    sums["clipped_low"] += low.sum()
+    sums["clipped_high"] += high.sum()
+    sums["entropy"] += (entropy * mask).sum()
+    sums["tokens"] += mask.sum()
+    sums["sequences"] += len(mask)
 
 
 def sampling_sums(sampling):

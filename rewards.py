@@ -31,6 +31,7 @@ from metrics import TABLE_COLUMNS, trainer_metric
 from models import load_reward_model, prepare_model
 from reward_calls import RewardError, compute_rewards, reward_name, user_error
 from prompting import is_conversational, repeat_each
+from rloo import combine_rewards
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,26 +242,33 @@ def unique_names(funcs, specs=None):
 class RewardFunctions:
     """The run's reward functions, loaded once (--reward_funcs): each callable, its metric name, its
     weight w_k of R = sum_k w_k R_k (--reward_weights, or 1.0 each) and the time it may take.
-    max_steps and steps_per_epoch (optimizer steps; None for a stream) fill trainer_state."""
+    max_steps and the last training batch's epoch (passes over the prompts before it was read;
+    None for a stream) fill trainer_state."""
 
     def __init__(self, funcs, weights=None, timeout=None, cfg=None):
         self.funcs, self.timeout, self.cfg = funcs, timeout, cfg
         specs = cfg and cfg.reward_funcs
         self.names = unique_names(funcs, specs if specs and len(specs) == len(funcs) else None)
         self.weights = torch.tensor(weights or [1.0] * len(funcs))  # [K]
-        self.max_steps, self.steps_per_epoch = 0, None
+        self.max_steps, self.epoch = 0, None
 
     def trainer_state(self, step):
         """TRL's trainer_state argument: the fields of transformers.TrainerState a run has."""
-        epoch = step / self.steps_per_epoch if self.steps_per_epoch else None
         cfg = self.cfg
         return TrainerState(
-            global_step=step, max_steps=self.max_steps, epoch=epoch,
+            global_step=step, max_steps=self.max_steps, epoch=self.epoch,
             num_train_epochs=cfg and cfg.num_train_epochs, logging_steps=cfg and cfg.logging_steps,
             eval_steps=cfg and cfg.eval_steps, save_steps=cfg and cfg.save_steps,
             train_batch_size=cfg and cfg.per_device_train_batch_size,
             is_local_process_zero=distributed.local_rank() == 0,
             is_world_process_zero=distributed.is_main())
+
+    def combine(self, rewards_per_func, clipped=True):
+        """R_i = sum_k w_k R_ik over the functions that scored completion i (rloo.combine_rewards),
+        clipped to --reward_clip_range; clipped=False: raw (what dynamic sampling filters on and
+        the reward metric reports). Every caller combines here. [B, K] -> [B]"""
+        clip = self.cfg.reward_clip_range if clipped and self.cfg else None
+        return combine_rewards(rewards_per_func, self.weights.to(rewards_per_func.device), clip)
 
     def __call__(self, rollout, G, step):
         """The functions on a Rollout's B = P*G completions: each prompt and dataset column repeated
@@ -276,6 +284,8 @@ class RewardFunctions:
         if rollout.environments is not None:  # shared, not copied: get_reward reads their state
             columns["environments"] = rollout.environments
         log = RewardLog(rollout, len(completions), self.names)
+        if rollout.epochs:  # a training batch (an evaluation's keeps the last one's)
+            self.epoch = rollout.epochs[0]
         try:
             rewards = compute_rewards(self.funcs, prompts, completions, rollout.completion_lists,
                                       columns, self.timeout, self.names, step=step,

@@ -1,7 +1,7 @@
 """The distribution the decode loop samples from: --generation_kwargs' processors in vLLM's order,
-then HF's penalty, the temperature and the logit filters (rloo.sampling_mask, vLLM's), and the draw: an inverse CDF at a counter-based uniform that makes
-every sample a pure function of (seed, row, step), so chunked and resumed generation give the same
-tokens."""
+then HF's penalty, the temperature and the logit filters (rloo.sampling_mask, vLLM's), and the
+draw: an inverse CDF at a counter-based uniform that makes every sample a pure function of (seed,
+row, step), so chunked and resumed generation give the same tokens."""
 import dataclasses
 
 import torch
@@ -20,7 +20,8 @@ def sampling_processors(cfg, prompt_ids, eos_ids):
     """--generation_kwargs' options in vLLM's order (allowed tokens, bad words, logit bias, min
     tokens, penalties), then HF's own penalty, the temperature and the filters, as vLLM does;
     applied to the logits after log pi_T is recorded. A model's shipped generation_config (e.g.
-    top_k=20) adds none of its own, so it cannot silently change the sampling. Bad words are token ids here (with_bad_word_ids)."""
+    top_k=20) adds none of its own, so it cannot silently change the sampling. Bad words are token
+    ids here (with_bad_word_ids)."""
     extra, processors, prompt_length = cfg.generation_kwargs or {}, [], prompt_ids.shape[1]
     if extra.get("allowed_token_ids"):
         processors.append(allowed_only(extra["allowed_token_ids"]))

@@ -7,7 +7,7 @@ only where they are that quantity (sampler_logps_exact). And the precision the w
 in, which decides whether two kernels give the same log-probs.
 """
 
-from config import GENERATION_KWARGS
+from domains import GENERATION_KWARGS
 from rloo import importance_weights, off_policy_mask
 
 # The logit filters, each a flag of config.py, in the order both generators apply them

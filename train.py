@@ -24,7 +24,6 @@ From Python: train.main([...flags]) -> Result (README 'Sweeps').
 
 import dataclasses
 import logging
-import math
 import sys
 from collections import defaultdict
 from contextlib import closing
@@ -35,7 +34,6 @@ logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 import torch  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
-from transformers import get_scheduler  # noqa: E402
 
 import checkpoint  # noqa: E402
 import data  # noqa: E402
@@ -51,19 +49,19 @@ import prompting  # noqa: E402
 import rollout  # noqa: E402
 import sampler  # noqa: E402
 import sampler_rules  # noqa: E402
+import schedule  # noqa: E402
 import stack  # noqa: E402
 import vllm_rollout  # noqa: E402
-from batches import BatchSource  # noqa: E402
+from batches import BatchSource, Scores  # noqa: E402
 from checks import check_config  # noqa: E402
 from config import EMBEDDED_PRESET, Config, Failed, fail, parse_config  # noqa: E402, F401
-from config import generation_steps  # noqa: E402
 from evaluation import Clock, eval_config, evaluate  # noqa: E402
 from health import RunHealth  # noqa: E402
 from logs import Logger  # noqa: E402
-from metrics import (announce, batch_metrics, completions_table, sampling_sums,  # noqa: E402
-                     show_samples, step_metrics, timed)
+from metrics import (batch_metrics, completions_table, loss_sums,  # noqa: E402
+                     sampling_sums, show_samples, step_metrics, timed)
 from rewards import load_rewards  # noqa: E402
-from rloo import (combine_rewards, estimate_advantages, has_baseline,  # noqa: E402
+from rloo import (estimate_advantages, has_baseline,  # noqa: E402
                   normalize_advantages, rloo_loss, sequence_kl)
 
 
@@ -138,60 +136,9 @@ def with_turns(cfg, generator, tokenizer, processor, model):
                                    environments.context_length(cfg, model))
 
 
-def steps_per_batch(cfg):
-    """Optimizer steps on one generated batch: mu passes, each in steps_per_generation /
-    gradient_accumulation_steps mini-batches."""
-    minibatches = generation_steps(cfg, distributed.world_size()) // cfg.gradient_accumulation_steps
-    return cfg.num_iterations * minibatches
-
-
-def steps_per_epoch(cfg, dataset):
-    """Optimizer steps in one pass over the prompts (None for a stream)."""
-    batches = data.steps_per_epoch(dataset, cfg)
-    return batches and batches * steps_per_batch(cfg)
-
-
-def count_steps(cfg, dataset):
-    """Optimizer steps of the run: max_steps, or num_train_epochs passes over the prompts."""
-    if cfg.max_steps > 0:
-        return cfg.max_steps
-    batches = math.ceil(cfg.num_train_epochs * data.steps_per_epoch(dataset, cfg))
-    return batches * steps_per_batch(cfg)
-
-
-def warmup_steps(cfg, total_steps):
-    """--warmup_steps (below 1: a fraction of the run) or --warmup_ratio."""
-    fraction = cfg.warmup_ratio or (cfg.warmup_steps if cfg.warmup_steps < 1 else 0)
-    return int(fraction * total_steps) if fraction else int(cfg.warmup_steps)
-
-
-def make_optimization(cfg, model, dataset, device):
-    """AdamW over the trainable parameters, the learning-rate schedule, the run's optimizer steps
-    (announced with the model's size)."""
-    total_steps, optimizer = count_steps(cfg, dataset), models.make_optimizer(model, cfg)
-    scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, num_training_steps=total_steps,
-                              num_warmup_steps=warmup_steps(cfg, total_steps),
-                              scheduler_specific_kwargs=cfg.lr_scheduler_kwargs)
-    announce(cfg, model, device, total_steps, steps_per_batch(cfg))
-    return optimizer, scheduler, total_steps
-
-
 # ---------------------------------------------------------------------------------------------
 # The algorithm: score a generated batch, then update the policy on it
 # ---------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class Scores:
-    """What scoring gives a Rollout of B completions (paper §3)."""
-    rewards_per_func: torch.Tensor  # [B, K] raw rewards, NaN where a function returned None
-    rewards: torch.Tensor  # [B] R after clipping, minus beta * kl
-    loss_mask: torch.Tensor  # [B, T] completion tokens the loss and the KL see
-    advantages: torch.Tensor  # [B] leave-one-out (normalised with --normalize_advantages)
-    kl_sums: torch.Tensor | None = None  # [B] sum_t (log pi_old - log pi_ref), when beta > 0
-    old_logps: torch.Tensor | None = None  # [B, T] the KL's log pi_old, when beta > 0
-    ref_logps: torch.Tensor | None = None  # [B, T] log pi_ref, when beta > 0
-    timings: dict = dataclasses.field(default_factory=dict)
-
 
 def score(cfg, batch, rewards, model, ref_model, step):
     """Rewards, KL-shaped rewards and leave-one-out advantages of one Rollout -> Scores."""
@@ -203,8 +150,7 @@ def score(cfg, batch, rewards, model, ref_model, step):
         rewards_per_func = batch.rewards_per_func  # dynamic sampling scored them already
         if rewards_per_func is None:
             rewards_per_func = rewards(batch, G, step)  # [B, K]
-        weights = rewards.weights.to(loss_mask.device)
-        shaped = combine_rewards(rewards_per_func, weights, cfg.reward_clip_range)  # [B]
+        shaped = rewards.combine(rewards_per_func)  # [B]
     scores = Scores(rewards_per_func, shaped, loss_mask, None, timings=timings)
     with timed(timings, "time/reference"):
         if cfg.beta > 0:  # r = R - beta * kl, log pi_old the sampler's where exact (§3)
@@ -230,19 +176,18 @@ def policy_step(cfg, model, optimizer, scheduler, batch, scores, old_logps=None,
     """One optimizer step on the clipped sequence loss over the completions `rows` of the batch (a
     slice; the whole batch unless steps_per_generation makes mini-batches), in micro-batches of
     per_device_train_batch_size (gradient accumulation: the loss is the mean over all of the step's
-    sequences, on every rank; paper §3). old_logps None: on-policy, s_old = s.detach() so rho == 1
-    (docs/coming-from-trl.md 'Where we differ from TRL, on purpose'). A MoE model adds coef * its
-    router's load-balancing loss.
-    -> (sequence log-probs s of these rows; this rank's sums for the metrics; the global gradient
-    norm, non-finite: the step was skipped; the phase timings)"""
+    sequences, on every rank; paper §3). old_logps [B, T]: log pi_old of the ratio (old_logps);
+    None: on-policy, pi_old = pi.detach() so rho == 1. A MoE model adds coef * its router's
+    load-balancing loss. -> (per-token log-probs [B, T] of these rows; this rank's sums for the
+    metrics; the global gradient norm, non-finite: the step was skipped; the phase timings)"""
     advantages, sampling = scores.advantages, defaultdict(list)  # sampler mismatch, per micro-batch
     rows = slice(0, len(advantages)) if rows is None else rows
     eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
-    aux_coef, timings = models.router_aux_coef(cfg, model), {}
-    seq_logps_all = advantages.new_zeros(len(advantages))  # [B] filled at the step's rows
+    aux_coef, timings, counts = models.router_aux_coef(cfg, model), {}, step_counts(scores, rows)
+    logps_all = torch.zeros_like(scores.loss_mask)  # [B, T] filled at the step's rows
     mbs = forward.training_micro_batches(batch, rows, cfg.per_device_train_batch_size,
                                          cfg.max_tokens_per_microbatch)
-    sums, n = defaultdict(float), rows.stop - rows.start  # this rank's totals for the metrics
+    sums = defaultdict(float)  # this rank's totals for the metrics
     with timed(timings, "time/forward_backward"):
         for i, mb in enumerate(mbs):
             if isinstance(model, FSDPModule):  # reduce-scatter gradients once, at the last one
@@ -251,38 +196,41 @@ def policy_step(cfg, model, optimizer, scheduler, batch, scores, old_logps=None,
                 model, batch, mb, cfg.temperature, router_aux=aux_coef > 0,
                 pad_to=cfg.pad_to_multiple_of, padding_free=cfg.padding_free)
             mask = scores.loss_mask[mb, :T]
-            seq_logps = (logps * mask).sum(-1)  # [b]  s_i = sum_t log pi(o_t)
-            seq_old = seq_logps.detach() if old_logps is None else old_logps[mb]
+            old = logps.detach() if old_logps is None else old_logps[mb, :T]  # [b, T]
+            seq_logps, seq_old = (logps * mask).sum(-1), (old * mask).sum(-1)  # s = sum_t log pi
             # the generator's log-probs (the trainer's own where it reports none)
             reported = batch.sampler_logps is not None
             sampled = batch.sampler_logps[mb, :T] if reported else logps.detach()
             is_weights = sampler_rules.sampler_weights(cfg, seq_old, sampled, logps.detach(), mask,
-                                         advantages[mb], sampling)  # [b] or None
+                                                       advantages[mb], sampling)  # [b] or None
             loss, low, high = rloo_loss(seq_logps, seq_old, advantages[mb], cfg.epsilon, eps_high,
-                                        n, is_weights)
+                                        counts.sequences, is_weights)
             if aux is not None:  # weighted by the micro-batch's share of the step
-                loss = loss + aux_coef * aux * len(mask) / n
+                loss = loss + aux_coef * aux * len(mask) / counts.sequences
                 sums["aux_loss"] += aux.detach() * len(mask)
             loss.backward()
-            seq_logps_all[mb] = seq_logps.detach()
-            sums["loss"] += loss.detach()
-            sums["clipped_low"] += low.sum()
-            sums["clipped_high"] += high.sum()
-            sums["entropy"] += (entropy * mask).sum()
-            sums["tokens"] += mask.sum()
-            sums["sequences"] += len(mask)
+            logps_all[mb, :T] = logps.detach()
+            loss_sums(sums, loss, low, high, entropy, mask)
             if flips is not None:  # --replay_sampling_mask: sampled tokens this kept set dropped
                 sampling["replay_flips"].append(flips * mask)
-            # |log pi_sampler - log pi_old| per token; pi_old this pass's, else scoring's forward's
-            forwarded = scores.old_logps is not None and scores.old_logps is not batch.sampler_logps
-            if reported and (old_logps is None or forwarded):
-                old_tokens = logps.detach() if old_logps is None else scores.old_logps[mb, :T]
-                sampling["sampler_drift"].append((sampled - old_tokens).abs() * mask)
+            if reported and old_logps is not batch.sampler_logps:  # |log pi_sampler - log pi_old|
+                sampling["sampler_drift"].append((sampled - old).abs() * mask)
     with timed(timings, "time/optimizer"):
         grad_norm = optimizer_step(cfg, model, optimizer, scheduler)
     sums.update(sampling_sums(sampling))
     sums = {k: torch.as_tensor(v, device=advantages.device).float() for k, v in sums.items()}
-    return seq_logps_all[rows], sums, grad_norm, timings
+    return logps_all, sums, grad_norm, timings
+
+
+@dataclasses.dataclass
+class Counts:
+    """What one optimizer step's loss divides by, on this rank (paper §3: a mean over the step)."""
+    sequences: int  # its completions: the sequence loss's mean, the MoE auxiliary loss's weight
+    tokens: torch.Tensor  # their loss tokens (at least 1): a per-token loss's mean
+
+
+def step_counts(scores, rows):
+    return Counts(rows.stop - rows.start, scores.loss_mask[rows].sum().clamp(min=1))
 
 
 def optimizer_step(cfg, model, optimizer, scheduler):
@@ -298,28 +246,33 @@ def optimizer_step(cfg, model, optimizer, scheduler):
     return grad_norm
 
 
+def old_logps(cfg, model, batch, scores, steps):
+    """log pi_old [B, T] of the ratio rho = pi / pi_old, the sampling weights' per-token
+    log-probs, decided here alone: None where the step's own forward gives them (one optimizer
+    step per pass: on-policy, rho == 1; its log-probs then serve the later passes); else scoring's
+    (the KL's), or a no-grad forward before the first step moves the weights."""
+    if steps == 1:
+        return None
+    return scores.old_logps if scores.old_logps is not None else \
+        forward.batch_logps(model, batch, cfg)
+
+
 def update(cfg, model, optimizer, scheduler, batch, scores):
     """The optimizer steps on one generated batch: mu = num_iterations passes over it, each in
     steps_per_generation / gradient_accumulation_steps mini-batches (whole groups in order; the
     prompts are already shuffled), one optimizer step each; yields each step's (sums over all
-    ranks, grad norm, timings). s_old is the sampler's weights' sequence log-prob: stored by the
-    first pass when one step covers the batch (for mu == 1 this is REINFORCE with the leave-one-out
-    baseline, rho == 1), else computed before the first step, so from the second mini-batch on the
-    clipped surrogate matters."""
+    ranks, grad norm, timings). For mu == 1 and one step per batch this is REINFORCE with the
+    leave-one-out baseline (rho == 1); from the second step on the clipped surrogate matters."""
     per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
     minibatches = forward.micro_batches(len(scores.advantages), per_step)
-    old_logps = None
-    if len(minibatches) > 1:  # the KL's log pi_old where scoring computed it, else a forward
-        old = scores.old_logps if scores.old_logps is not None else \
-            forward.batch_logps(model, batch, cfg)
-        old_logps = (old * scores.loss_mask[:, :old.shape[1]]).sum(-1)
+    old = old_logps(cfg, model, batch, scores, len(minibatches))
     for _ in range(cfg.num_iterations):
         for rows in minibatches:
             timings = {}
             with timed(timings, "time/training"):
-                seq_logps, sums, grad_norm, step_timings = policy_step(
-                    cfg, model, optimizer, scheduler, batch, scores, old_logps, rows)
-            old_logps = seq_logps if old_logps is None else old_logps
+                logps, sums, grad_norm, step_timings = policy_step(
+                    cfg, model, optimizer, scheduler, batch, scores, old, rows)
+            old = logps if old is None else old
             yield distributed.reduce_sums(sums), grad_norm, {**step_timings, **timings}
 
 
@@ -391,12 +344,12 @@ def start(cfg, device, opened):
     rewards = load_rewards(cfg, device, environments.environment_rewards(cfg, dataset))
     generator = start_generator(cfg, model, tokenizer, processor, dataset, device)
     eval_generator = start_eval_generator(cfg, model, tokenizer, processor, device)
-    optimizer, scheduler, total_steps = make_optimization(cfg, model, dataset, device)
-    rewards.max_steps, rewards.steps_per_epoch = total_steps, steps_per_epoch(cfg, dataset)
+    optimizer, scheduler, total_steps = schedule.make_optimization(cfg, model, dataset, device)
+    rewards.max_steps = total_steps
     state = checkpoint.resume_or_start(cfg, model, optimizer, scheduler, ref_model)
     source = opened.enter_context(closing(BatchSource(cfg, generator, dataset, rewards,
                                                       tokenizer.pad_token_id, vars(state))))
-    logger = opened.enter_context(closing(Logger(cfg, total_steps, state, rewards.steps_per_epoch)))
+    logger = opened.enter_context(closing(Logger(cfg, total_steps, state)))
     return Run(cfg, model, ref_model, processor or tokenizer, vision, rewards, eval_sets,
                eval_generator, optimizer, scheduler, total_steps, state,
                checkpoint.watch_signals(device, cfg.output_dir), RunHealth(cfg), logger, source)
@@ -416,7 +369,8 @@ def main(argv=None):
     """One run, from the command line or from Python: train.main(["--learning_rate", "3e-4"]), as
     often as wanted in one process, each run as from a fresh one, the process left as found
     (process.borrowed; README 'Sweeps'). -> Result. Bad input, or a run that cannot go on, raises
-    config.Failed: its one line (error: ...) is what the command line prints."""
+    domains.Failed (also importable from config): its one line (error: ...) is what the command
+    line prints."""
     with process.borrowed() as opened:
         cfg, device = setup(argv)
         try:
@@ -461,7 +415,10 @@ def train(r):
             models.sync_reference(cfg, model, r.ref_model, step)  # TR-DPO, with --sync_ref_model
             logger.add_step({**(sampled if i == 0 else {}),
                              **step_metrics(sums, grad_norm, r.scheduler, timings, batch_tokens)})
-            if logger.log_if_due(step, last, num_tokens=num_tokens) and cfg.log_completions:
+            # epoch: passes over the prompts read, as the Trainer logs it (None: a stream)
+            due = logger.log_if_due(step, last, num_tokens=num_tokens,
+                                    epoch=batch.epochs and batch.epochs[1])
+            if due and cfg.log_completions:
                 logger.completions(step, *completions_table(step, batch, scores, rewards,
                                                             cfg.log_multimodal))
             if r.eval_sets and (step % cfg.eval_steps == 0 or last):

@@ -138,7 +138,7 @@ def test_two_reward_functions_of_one_name_log_apart_and_say_so(tmp_path, capsys)
     per_func = torch.tensor([[1.0, 3.0, 0.5, 0.5]] * N)
     columns = {"rewards_per_func": per_func, "rewards": per_func.sum(-1), "lengths": torch.ones(N),
                "truncated": torch.zeros(N)}
-    logged = metrics.generation_metrics(columns, funcs.names, torch.ones(4), 2)
+    logged = metrics.generation_metrics(columns, funcs, 2)
     assert (logged["rewards/score/mean"], logged["rewards/score_1/mean"]) == (1.0, 3.0)
 
 
@@ -184,7 +184,8 @@ def test_every_metric_the_trainer_logs_is_reserved_from_log_metric(tmp_path):
                "truncated": torch.zeros(N), "kl_sums": torch.zeros(N), "loss_tokens": torch.ones(N),
                "turns": torch.ones(N), "tool_calls": torch.ones(N), "tool_failures": torch.zeros(N),
                "env_failures": torch.zeros(N), "all_tokens": torch.ones(N)}
-    keys = {*metrics.generation_metrics(columns, ["f"], torch.ones(1), 2), *metrics.turn_metrics(columns)}
+    keys = {*metrics.generation_metrics(columns, rewards.RewardFunctions([rewards.task_reward]), 2),
+            *metrics.turn_metrics(columns)}
     sums = {k: 1.0 for k in ("tokens", "sequences", "clipped_low", "clipped_high", "loss", "entropy", "aux_loss",
                              "sampler_drift", "is_weight", "is_truncated")}
     scheduler = type("Scheduler", (), {"get_last_lr": lambda self: [1.0]})()

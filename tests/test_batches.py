@@ -115,6 +115,9 @@ def test_dynamic_sampling_run_logs_its_metrics_and_checkpoints_the_data_position
     rounds = sum(m["dynamic_sampling/rounds"] for m in metrics)
     state = json.load(open(tmp_path / "checkpoint-4" / "trainer_state.json"))
     assert state["position"] == 4 + rounds  # one prompt batch per step plus every extra round
+    # epoch: passes over the prompts read (16 a batch of the task's 4096), extra rounds included
+    read = [sum(1 + m["dynamic_sampling/rounds"] for m in metrics[:k + 1]) for k in range(4)]
+    assert [m["epoch"] for m in metrics] == pytest.approx([r / 256 for r in read])
 
 
 COUNT_PUSHES = """

@@ -27,13 +27,15 @@ from test_shape import PRODUCT_FILES, ROOT
 
 MODULES = sorted(f[:-3] for f in PRODUCT_FILES if f.endswith(".py"))
 DOCS = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+WORKED = "docs/worked-examples.md"  # README 'How to change one thing', worked through
 # a user's own files in the examples, and other projects' sources: not ours to find
 EXAMPLE_FILES = re.compile(r"^(my_\w+|FILE|file|path/to/file|__init__|envs|frozen_lake|increment_env)\.py$|^vllm/")
 NOT_NAMES = {"py", "md", "json", "jsonl", "txt", "csv", "parquet", "safetensors", "sh", "lock", "whl", "gguf",
              "jinja"}  # file names: metrics.jsonl, rloo.lock
 # torchrun's own flags (the launch recipes)
 OTHER_FLAGS = {"nproc_per_node", "rdzv_endpoint", "rdzv_backend", "rdzv_id", "node_rank", "master_addr",
-               "master_port", "write_data"}  # torchrun's; recipes/arithmetic.py's own
+               "master_port", "write_data",  # torchrun's; recipes/arithmetic.py's own
+               "top_n_sigma"}  # the flag docs/worked-examples.md's logit filter adds
 
 
 def read(path):
@@ -194,13 +196,13 @@ def test_the_advantage_estimators_are_the_table_and_the_functions():
 
 def worked_example():
     """The README's worked example: (the function for rloo.py, the entry for config.ADVANTAGE_ESTIMATORS)."""
-    section = read("README.md").split("### Worked example")[1].split("\n### ")[0]
+    section = read(WORKED).split("## Worked example")[1].split("\n## ")[0]
     function, entry = re.findall(r"```python\n(.*?)```", section, re.S)
     return function, entry
 
 
 def test_the_worked_example_trains_and_keeps_the_house_rules(tmp_path):
-    """The two blocks of README 'Worked example: GRPO's advantages', applied to a copy of the repository as a reader
+    """The two blocks of docs/worked-examples.md 'Worked example: GRPO's advantages', applied to a copy of the repository as a reader
     would (the function after rloo_advantages, the entry into the table): --advantage_estimator grpo trains the
     embedded task (its group-normalised advantages reach the loss), and the copy, with a scratch file of the
     reader's beside train.py, passes the house rules."""
@@ -243,11 +245,11 @@ print(json.dumps({"first": epoch(0), "later": epoch(1)}))
 
 
 def test_the_curriculum_example_orders_the_prompts_and_trains(tmp_path):
-    """README 'Worked example: a curriculum', its block in place of data.epoch_order in a copy of the repository, as
+    """docs/worked-examples.md 'Worked example: a curriculum', its block in place of data.epoch_order in a copy of the repository, as
     a reader would apply it: two ranks' batches of the first epoch come easiest first and cover it, the next epoch
     is shuffled, the embedded model trains on a dataset with a difficulty column, and the copy keeps the house
     rules."""
-    section = read("README.md").split("### Worked example: a curriculum")[1].split("\n### ")[0]
+    section = read(WORKED).split("## Worked example: a curriculum")[1].split("\n## ")[0]
     (function,) = re.findall(r"```python\n(.*?)```", section, re.S)
     copy = tmp_path / "rloo"
     shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "runs", "__pycache__", ".pytest_cache"))
@@ -274,3 +276,115 @@ def test_the_curriculum_example_orders_the_prompts_and_trains(tmp_path):
     rules = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_shape.py"],
                            capture_output=True, text=True, cwd=copy, timeout=600)
     assert rules.returncode == 0, rules.stdout[-3000:]
+
+
+def worked_blocks(title):
+    """The python blocks of docs/worked-examples.md's section `## {title}`, in order."""
+    section = read(WORKED).split(f"## {title}\n")[1].split("\n## ")[0]
+    return re.findall(r"```python\n(.*?)```", section, re.S)
+
+
+def repository_copy(tmp_path):
+    copy = tmp_path / "rloo"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "runs", "__pycache__", ".pytest_cache"))
+    return copy
+
+
+def edited_product_files(copy):
+    """The product files a recipe changed in the copy (the issue's target: at most three)."""
+    return [f for f in PRODUCT_FILES if open(os.path.join(ROOT, f)).read() != (copy / f).read_text()]
+
+
+def trains_and_keeps_the_house_rules(copy, out, flags, script):
+    """The copy's own check script passes, the embedded task learns with flags, the house rules hold."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    check = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=copy, timeout=300,
+                           env=env)
+    assert check.returncode == 0 and check.stdout.strip().endswith("ok"), check.stderr[-3000:]
+    run = subprocess.run([sys.executable, "train.py", *flags, "--max_steps", "150", "--logging_steps", "30",
+                          "--output_dir", str(out)], capture_output=True, text=True, cwd=copy, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert logged[-1]["reward"] > logged[0]["reward"] + 0.2, logged
+    rules = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_shape.py"],
+                           capture_output=True, text=True, cwd=copy, timeout=600)
+    assert rules.returncode == 0, rules.stdout[-3000:]
+
+
+TOKEN_LOSS_CHECK = """
+import math, torch, rloo
+torch.manual_seed(0)
+logps = torch.randn(3, 5, requires_grad=True)
+old, mask, A = logps.detach() + 0.3 * torch.randn(3, 5), (torch.rand(3, 5) > 0.3).float(), torch.randn(3)
+loss, low, high = rloo.token_loss(logps, old, A, mask, 0.2, 0.28, mask.sum())
+want = 0.0  # the formula, term by term
+for i in range(3):
+    for t in range(5):
+        r = math.exp(logps[i, t].item() - old[i, t].item())
+        want += mask[i, t].item() * min(r * A[i].item(), min(max(r, 0.8), 1.28) * A[i].item())
+assert abs(loss.item() + want / mask.sum().item()) < 1e-5, (loss, want)
+on_policy, _, _ = rloo.token_loss(logps, logps.detach(), A, mask, 0.2, 0.28, mask.sum())
+(grad,) = torch.autograd.grad(on_policy, logps)  # rho = 1: REINFORCE per token, -A_i m_it / N_tok
+torch.testing.assert_close(grad, -A[:, None] * mask / mask.sum())
+print("ok")
+"""
+
+
+def test_the_token_loss_example_matches_its_formula_and_trains(tmp_path):
+    """docs/worked-examples.md 'Worked example: a token-level loss' applied to a copy of the repository as a reader would: the
+    function after rloo_loss, the call in train.policy_step in place of rloo_loss's (and the import). The loss is
+    its formula term by term and REINFORCE per token at rho = 1, the embedded task learns with it, the copy keeps
+    the house rules, and the change touches two product files."""
+    function, call = worked_blocks("Worked example: a token-level loss")
+    copy = repository_copy(tmp_path)
+    source = (copy / "rloo.py").read_text()
+    anchor = source.index("\n\n\ndef ", source.index("def rloo_loss"))
+    (copy / "rloo.py").write_text(source[:anchor] + "\n\n\n" + function.rstrip() + source[anchor:])
+    train = (copy / "train.py").read_text()
+    start = train.index("            loss, low, high = rloo_loss(")
+    end = train.index(")\n", train.index("is_weights", start)) + 2
+    train = train[:start] + call + train[end:]
+    (copy / "train.py").write_text(train.replace("rloo_loss, sequence_kl", "sequence_kl, token_loss"))
+    assert sorted(edited_product_files(copy)) == ["rloo.py", "train.py"]
+    trains_and_keeps_the_house_rules(copy, tmp_path / "out", [], TOKEN_LOSS_CHECK)
+
+
+FILTER_CHECK = """
+import statistics, torch, checks, config, rloo, sampler_rules
+torch.manual_seed(0)
+z = 2 * torch.randn(6, 40)
+kept = rloo.sampling_mask(z, top_n_sigma=1.0)
+for row, keep in zip(z.tolist(), kept.tolist()):  # brute force: within one (sample) std of the top
+    bound = max(row) - statistics.stdev(row)
+    assert keep == [v >= bound for v in row]
+assert 1 <= kept.sum(-1).min() and kept.sum(-1).max() < 40
+cfg = config.parse_config(["--top_n_sigma", "1", "--replay_sampling_mask", "true"])
+assert sampler_rules.sampling_filter(cfg) == {"top_n_sigma": 1.0}
+try:
+    checks.check_config(config.parse_config(["--top_n_sigma", "1", "--use_vllm"]))
+    raise AssertionError("--use_vllm took a filter vLLM lacks")
+except config.Failed as e:
+    assert "--top_n_sigma: vLLM has no such filter" in str(e), e
+print("ok")
+"""
+
+
+def test_the_logit_filter_example_masks_refuses_vllm_and_trains(tmp_path):
+    """docs/worked-examples.md 'Worked example: a logit filter' applied to a copy as a reader would: the flag after min_p's, the
+    FILTERS line, the clause first in rloo.sampling_mask. The mask is the brute-force set, the replayed filter is
+    the flag's, --use_vllm refuses it with one line, the embedded task learns with it replayed, the copy keeps the
+    house rules, and the change touches three product files."""
+    flag, table, clause = worked_blocks("Worked example: a logit filter")
+    copy = repository_copy(tmp_path)
+    source = (copy / "config.py").read_text()
+    anchor = source.index("\n", source.index("min_p times the top token's probability")) + 1
+    (copy / "config.py").write_text(source[:anchor] + flag + source[anchor:])
+    source = (copy / "sampler_rules.py").read_text()
+    start = source.index("FILTERS = ")
+    (copy / "sampler_rules.py").write_text(source[:start] + table + source[source.index("\n", start) + 1:])
+    source = (copy / "rloo.py").read_text().replace("min_p=None):", "min_p=None, top_n_sigma=None):", 1)
+    anchor = source.index("\n", source.index("keep = torch.ones_like(z, dtype=torch.bool)")) + 1
+    (copy / "rloo.py").write_text(source[:anchor] + clause + source[anchor:])
+    assert sorted(edited_product_files(copy)) == ["config.py", "rloo.py", "sampler_rules.py"]
+    trains_and_keeps_the_house_rules(copy, tmp_path / "out", ["--top_n_sigma", "3", "--replay_sampling_mask",
+                                                              "true"], FILTER_CHECK)

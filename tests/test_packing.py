@@ -288,9 +288,9 @@ def test_token_budget_micro_batches_give_the_sequence_count_step(padding_free):
         m = copy.deepcopy(model)
         optimizer = torch.optim.SGD(m.parameters(), lr=1.0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-        seq_logps, stats, _, _ = train.policy_step(cfg, m, optimizer, scheduler, batch, scores)
+        logps, stats, _, _ = train.policy_step(cfg, m, optimizer, scheduler, batch, scores)
         weights = torch.cat([p.detach().flatten() for p in m.parameters()])
-        updated.append((weights, seq_logps, stats["sequences"]))
+        updated.append((weights, (logps * scores.loss_mask).sum(-1), stats["sequences"]))
     mbs = forward.training_micro_batches(batch, slice(0, 8), 4, 40)
     assert len(mbs) > 2  # the budget, not the count, made them
     torch.testing.assert_close(updated[1][0], updated[0][0], atol=1e-6, rtol=1e-5)
@@ -361,9 +361,9 @@ def test_multi_turn_packed_equals_padded_and_environment_tokens_stay_context(kin
         optimizer = torch.optim.SGD(m.parameters(), lr=1.0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
         scores = train.Scores(None, None, batch.model_tokens().float(), advantages)
-        seq_logps, stats, _, _ = train.policy_step(cfg, m, optimizer, scheduler, batch, scores)
+        logps, stats, _, _ = train.policy_step(cfg, m, optimizer, scheduler, batch, scores)
         weights = torch.cat([p.detach().flatten() for p in m.parameters()])
-        steps.append((weights, seq_logps, stats["entropy"], stats["tokens"]))
+        steps.append((weights, (logps * scores.loss_mask).sum(-1), stats["entropy"], stats["tokens"]))
     for got, want in zip(steps[1], steps[0]):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert steps[1][3] == batch.model_tokens().sum()

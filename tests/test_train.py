@@ -227,7 +227,7 @@ def test_frac_reward_zero_std_ignores_unscorable_members():
                            2.0, 2.0, 2.0, 2.0])  # all agree
     ones = torch.ones(16)
     m = metrics.generation_metrics({"rewards_per_func": shaped[:, None], "rewards": shaped, "lengths": ones,
-                                    "truncated": ones * 0}, ["r"], torch.ones(1), 4)
+                                    "truncated": ones * 0}, RewardFunctions([rewards.task_reward]), 4)
     assert m["frac_reward_zero_std"] == 0.5
 
 

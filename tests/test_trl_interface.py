@@ -24,6 +24,7 @@ import rewards
 import batches
 import forward
 import sampler
+import schedule
 import rollout
 import train
 from test_train import cfg_for, read_metrics, run
@@ -342,7 +343,7 @@ def test_log_extra_columns_follow_their_completions_through_dynamic_sampling():
 
 def test_trainer_state_has_the_run_schedule():
     R = rewards.RewardFunctions([], cfg=cfg_for())
-    R.max_steps, R.steps_per_epoch = 40, 20
+    R.max_steps, R.epoch = 40, 1.5
     state = R.trainer_state(30)
     assert (state.global_step, state.max_steps, state.epoch, state.is_world_process_zero) == (30, 40, 1.5, True)
 
@@ -414,7 +415,7 @@ def test_steps_per_generation_splits_a_batch_into_optimizer_steps_against_the_sa
     model, tokenizer, dataset = data.embedded_task(seed=0)
     cfg = cfg_for(num_generations=4, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                   steps_per_generation=4, max_completion_length=4, beta=0.0, num_iterations=2)
-    assert data.prompts_per_rank(cfg) == 4 and train.steps_per_batch(cfg) == 4
+    assert data.prompts_per_rank(cfg) == 4 and schedule.steps_per_batch(cfg) == 4
     batch = rollout.generate(model, tokenizer, dataset[:4], cfg, CPU, seed=0)
     scores = train.Scores(None, None, batch.completion_mask.float(), torch.linspace(-1, 1, 16))
     with torch.no_grad():
@@ -425,7 +426,7 @@ def test_steps_per_generation_splits_a_batch_into_optimizer_steps_against_the_sa
     real_step = train.policy_step
 
     def recording_step(cfg, model, optimizer, scheduler, batch, scores, old_logps=None, rows=None):
-        seen.append((rows, old_logps.clone()))
+        seen.append((rows, (old_logps * scores.loss_mask[:, :old_logps.shape[1]]).sum(-1)))
         return real_step(cfg, model, optimizer, scheduler, batch, scores, old_logps, rows)
 
     train.policy_step = recording_step
@@ -488,15 +489,15 @@ def test_adam_settings_and_scheduler_kwargs_reach_the_optimizer():
                                "--lr_scheduler_type", "cosine_with_min_lr", "--lr_scheduler_kwargs",
                                '{"min_lr_rate": 0.1}', "--max_steps", "10", "--learning_rate", "1e-3"])
     checks.check_config(cfg)
-    optimizer, scheduler, total = train.make_optimization(cfg, model, dataset, CPU)
+    optimizer, scheduler, total = schedule.make_optimization(cfg, model, dataset, CPU)
     assert optimizer.param_groups[0]["betas"] == (0.8, 0.95) and optimizer.param_groups[0]["eps"] == 1e-6
     for _ in range(total):
         optimizer.step()
         scheduler.step()
     assert scheduler.get_last_lr()[0] == pytest.approx(1e-4)
     # transformers 5's warmup_steps: below 1 a fraction of the run, else a count
-    assert train.warmup_steps(cfg_for(warmup_steps=0.5), 10) == 5 and train.warmup_steps(cfg_for(warmup_steps=3), 10) == 3
-    assert train.warmup_steps(cfg_for(warmup_ratio=0.2), 10) == 2
+    assert schedule.warmup_steps(cfg_for(warmup_steps=0.5), 10) == 5 and schedule.warmup_steps(cfg_for(warmup_steps=3), 10) == 3
+    assert schedule.warmup_steps(cfg_for(warmup_ratio=0.2), 10) == 2
 
 
 def test_kl_estimator_k3_shapes_the_reward():
