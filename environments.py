@@ -41,54 +41,13 @@ import tools
 from batches import Rollout
 from config import fail
 from forward import micro_batches
+from lookup import ScoredLookup, lookup_environment
 from metrics import merge_timings
 from prompting import is_conversational, pad, prompt_tensors, repeat_each, tokenize_prompts
 from reward_calls import user_error
 
 
-# ---------------------------------------------------------------------------------------------
-# The embedded multi-turn task
-# ---------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class LookupEnvironment:
-    """The embedded task with the string hidden: the prompt is "=" only, and the string is shown
-    ("4172=") only in answer to the model's first turn (its question, whatever it says), to be
-    copied in the second. One turn can only guess the digits (reward about 0.05)."""
-    target: str
-    asked: bool = False
-
-    def reset(self):
-        return "="
-
-    def step(self, text):
-        if self.asked:
-            return None, True
-        self.asked = True
-        return self.target + "=", False
-
-
-def lookup_environment(row):
-    return LookupEnvironment(row["target"])
-
-
-@dataclasses.dataclass
-class ScoredLookup(LookupEnvironment):
-    """The lookup task scoring itself (get_reward; docs/multi-turn.md 'Multi-turn: tools and
-    environments'): task_reward's per-position credit for the model's answer, the turn after the
-    string was shown."""
-    answer: str = ""
-
-    def step(self, text):
-        if self.asked:
-            self.answer = text
-        return super().step(text)
-
-    def get_reward(self):
-        got, want = self.answer, self.target
-        return sum(a == b for a, b in zip(got, want)) / max(len(got), len(want), 1)
-
-
+# --environment NAME: the embedded multi-turn tasks (lookup.py)
 BUILTINS = {"lookup": lookup_environment,
             "lookup_scored": lambda row: ScoredLookup(row["target"])}
 

@@ -17,6 +17,7 @@ from packaging.utils import canonicalize_name
 
 import bench
 import gpu_check
+import gpu_wheels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = ["plan", "model", "embedded", "full", "lora", "packed", "trl", "compile", "resume", "vllm_colocate",
@@ -106,14 +107,14 @@ def test_a_run_past_its_timeout_is_killed_with_its_children():
 
 
 def test_the_gpu_wheels_bring_every_requirement_the_gpu_machine_lacks():
-    carried = {canonicalize_name(name) for name in gpu_check.GPU_WHEELS}
-    for name, version in gpu_check.GPU_WHEELS.items():
+    carried = {canonicalize_name(name) for name in gpu_wheels.GPU_WHEELS}
+    for name, version in gpu_wheels.GPU_WHEELS.items():
         assert metadata.version(name) == version, f"the tests run {name} {metadata.version(name)}, the GPU {version}"
         for line in metadata.requires(name) or []:
             requirement = Requirement(line)
             if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
-                assert canonicalize_name(requirement.name) in carried | gpu_check.GPU_IMAGE, (name, line)
-    assert gpu_check.unmet(gpu_check.GPU_IMPORTS) == []  # this machine has them all
+                assert canonicalize_name(requirement.name) in carried | gpu_wheels.GPU_IMAGE, (name, line)
+    assert gpu_wheels.unmet(gpu_wheels.GPU_IMPORTS) == []  # this machine has them all
 
 
 def test_the_package_check_names_what_is_missing_or_too_old(monkeypatch):
@@ -125,7 +126,7 @@ def test_the_package_check_names_what_is_missing_or_too_old(monkeypatch):
         return "19.0.0" if name == "pyarrow" else installed(name)
 
     monkeypatch.setattr(metadata, "version", version)
-    problems = gpu_check.unmet(["datasets", "no-such-package"])
+    problems = gpu_wheels.unmet(["datasets", "no-such-package"])
     assert problems[0].startswith("dill not installed (for datasets)")
     assert problems[1:] == ["no-such-package: not installed", "pyarrow 19.0.0 (for datasets): needs >=24.0.0"]
 

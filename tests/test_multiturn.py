@@ -97,8 +97,8 @@ def test_the_loss_kl_entropy_and_gradient_are_those_of_the_model_tokens_alone():
         before = [p.detach().clone() for p in m.parameters()]
         opt = torch.optim.SGD(m.parameters(), lr=1.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
-        seq, sums, _, _ = train.policy_step(cfg, m, opt, sched, batch, scores)
-        return seq, sums, torch.cat([(b - p.detach()).flatten() for b, p in zip(before, m.parameters())])
+        logps, sums, _, _ = train.policy_step(cfg, m, opt, sched, batch, scores)
+        return (logps * scores.loss_mask).sum(-1), sums, torch.cat([(b - p.detach()).flatten() for b, p in zip(before, m.parameters())])
 
     seq, sums, minus_delta = step(batch, scores)
     torch.testing.assert_close(seq, s_brute.detach(), atol=1e-5, rtol=1e-5)

@@ -26,6 +26,7 @@ import lora  # noqa: E402
 import models  # noqa: E402
 import train  # noqa: E402
 import vllm_server  # noqa: E402
+import weight_source  # noqa: E402
 
 
 def gloo_pair(rank, port):
@@ -114,7 +115,7 @@ def main(out_path):
     address, free = "127.0.0.1", port  # nccl_transfer asks the server for its world size
     vllm_server.http = lambda url, *args, **kwargs: {"world_size": 1}
     vllm_server.free_port = lambda: free
-    source = vllm_server.policy_weights(model, torch.bfloat16)
+    source = weight_source.policy_weights(model, torch.bfloat16)
     transfer = vllm_server.nccl_transfer(source, client, vllm_server.Server(f"http://{address}:1", 60))
     expected = {}
     for round_ in range(2):
