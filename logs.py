@@ -110,6 +110,8 @@ class Logger:
                 raise FileNotFoundError(f"{deleted} was deleted under the run")
             write(sink)
         except Exception as error:  # noqa: BLE001 (whatever the sink's library raises)
+            deleted = files_deleted(name, sink)  # deleted during the write: say that, not its error
+            error = FileNotFoundError(f"{deleted} was deleted under the run") if deleted else error
             self.sinks.pop(name)
             self.dropped[name] = step
             where = self.path if name == "metrics.jsonl" else name

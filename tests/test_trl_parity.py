@@ -35,6 +35,7 @@ import forward  # noqa: E402
 import models  # noqa: E402
 import prompting  # noqa: E402
 import rollout  # noqa: E402
+import schedule  # noqa: E402
 import train  # noqa: E402
 from rewards import RewardFunctions  # noqa: E402
 
@@ -138,7 +139,7 @@ def run_ours(policy, ref, tokenizer, completions, opts, monkeypatch, inject=None
                       step=0)
 
     optimizer = models.make_optimizer(model, cfg)
-    scheduler = train.get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=1)
+    scheduler = schedule.get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=1)
     grads = patch_clipping(monkeypatch, inject)
     _, stats, grad_norm, _ = train.policy_step(cfg, model, optimizer, scheduler, batch, out)
     monkeypatch.undo()
