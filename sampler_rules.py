@@ -25,8 +25,9 @@ def active_filters(cfg):
 def vllm_filters(cfg):
     """Every filter vLLM has, as SamplingParams fields: the off ones too, so a server's defaults
     (a model's generation_config) cannot add a filter."""
-    return {f: getattr(cfg, f) if f in active_filters(cfg) else vllm_off
-            for f, (_, vllm_off) in FILTERS.items() if vllm_off is not None}
+    active = active_filters(cfg)
+    return {f: active.get(f, vllm_off) for f, (_, vllm_off) in FILTERS.items()
+            if vllm_off is not None}
 
 
 def vllm_logprobs_mode(cfg, vision=False):
