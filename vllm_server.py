@@ -68,7 +68,8 @@ class ServerEngine:
         ends), which then holds this push's weight version; not into a server another run took."""
         if distributed.is_main():
             self.lease.check()
-        self.send(self.lease.next_version())
+        held = self.lease.version
+        self.send(self.lease.next_version(), functools.partial(self.lease.check, held))
 
     def sample(self, prompts, prompt_lists, images, sampling):
         if images is not None:
@@ -131,9 +132,9 @@ class Lease:
     /update_weight_version and /weight_info): {"rloo": output_dir, "host", "pid", "push": n}. Two
     runs on one server sample from each other's weights (each push replaces the other's), so a
     server belongs to one run at a time: at start-up a server another live run holds is one line
-    naming it, each push sets this run's next version, and each push and each sample check
-    (before and after) that the version is still this run's (of two runs that start at once, the
-    one overtaken stops). A resume (the same output_dir) takes its own lease back, as does a run
+    naming it, each push sets this run's next version, and each push (before it, and before its
+    version is set) and each sample (after it) check that the version is still this run's (of two
+    runs that start at once, the one overtaken stops). A resume (the same output_dir) takes its own lease back, as does a run
     on the holder's host whose process is gone; close gives it back."""
 
     def __init__(self, server, output_dir):
@@ -157,10 +158,10 @@ class Lease:
         self.version = json.dumps({**self.run, "push": self.pushes})
         return self.version
 
-    def check(self):
-        """The server still holds this run's last push (before a push, after a sample)."""
+    def check(self, held=None):
+        """The server still holds this run's last push (before a push, after a sample), or `held`."""
         version = self.server.get("/weight_info")["weight_version"]
-        if version != self.version:
+        if version != (held or self.version):
             other = lease_holder(version)
             fail(f"the vLLM server at {self.server.url} was taken over by another run "
                  f"({describe(other) if other else 'weight version ' + repr(version)}) while "
@@ -396,7 +397,7 @@ def served_model(server):
     return server.model
 
 
-def push_weights_server(server, model, sync_dir, dtype, version):
+def push_weights_server(server, model, sync_dir, dtype, version, check=None):
     """Without a weight-transfer engine (a CPU trainer, or --vllm_weight_sync file): rank 0 writes
     the full weights in `dtype` as safetensors to a directory the server can read (a shared
     filesystem), the server reloads them in place, and its prefix and image-feature caches are
@@ -411,7 +412,7 @@ def push_weights_server(server, model, sync_dir, dtype, version):
             # a copy: tied tensors share storage, which safetensors refuses; both names go in
             kept = dtype if tensor.is_floating_point() else tensor.dtype
             weights[name] = tensor.to("cpu", kept, copy=True).contiguous()
-    with paused(server, version):
+    with paused(server, version, check):
         if distributed.is_main():
             os.makedirs(sync_dir, exist_ok=True)
             save_file(weights, os.path.join(sync_dir, "model.safetensors"))
@@ -498,21 +499,22 @@ def ipc_buffer_bytes(metadata, bucket=2**30):
     return max(bucket, largest)
 
 
-def push_transfer(transfer, server, version):
+def push_transfer(transfer, server, version, check=None):
     """One push through the weight-transfer engine, on every rank."""
-    with paused(server, version):
+    with paused(server, version, check):
         transfer.send_weights()
 
 
 @contextlib.contextmanager
-def paused(server, version):
+def paused(server, version, check=None):
     """Every rank's push: the server paused while its layers are rebuilt (and its KV cache freed:
     vLLM 0.34 lends it to the reload), then its caches reset and this push's weight version set
     (the lease's). The barrier first: from vLLM 0.33 a paused server refuses new requests (HTTP
     503; 0.32 queued them), so no rank may still be sampling (a multi-turn trajectory's next turn,
     an async batch) when rank 0 pauses. The barrier after: no rank samples before the server holds
     the new weights. Resumed however the push ends (an error, Ctrl-C): a paused server would
-    refuse or hold every client until some trainer pushed again."""
+    refuse or hold every client until some trainer pushed again. `check` (the lease's) runs just
+    before the version is set: a run that took the server during the push keeps it."""
     distributed.barrier()
     if distributed.is_main():
         server.post("/pause?mode=wait")
@@ -521,6 +523,8 @@ def paused(server, version):
         if distributed.is_main():
             server.post("/reset_prefix_cache")
             server.post("/reset_encoder_cache")  # image features of the old vision tower
+            if check is not None:
+                check()
             server.post("/update_weight_version", {"new_version": version})
     except BaseException:
         if distributed.is_main():

@@ -92,6 +92,17 @@ def samples(server):
         return len(json.loads(answer.read())["choices"]) == 1
 
 
+def take_over(proc, server, holder, timeout=300):
+    """The lease set as another run's until the run `proc` stops. Set again if the run's own version replaced it:
+    set in the instant between a push's last check and its version, it is overwritten, and the other run (which
+    this stands in for) would stop at its own next check instead."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        if vllm_server.lease_holder(version(server)) != holder:
+            set_version(server, holder)
+        time.sleep(0.2)
+
+
 @requires_vllm
 def test_a_server_belongs_to_one_run_at_a_time(tmp_path, chat_model_dir, server):
     """A second run against a server a live run holds is one line naming that run; a run whose server another run
@@ -107,8 +118,8 @@ def test_a_server_belongs_to_one_run_at_a_time(tmp_path, chat_model_dir, server)
         assert second.returncode != 0
         line = one_line(second.stderr)
         assert f"the vLLM server at {server.url} serves another run (output_dir {tmp_path / 'first'}, pid " in line
-        set_version(server, {"rloo": "/elsewhere", "host": "node-7", "pid": 1, "push": 3})
-        _, stderr = first.communicate(timeout=300)
+        take_over(first, server, {"rloo": "/elsewhere", "host": "node-7", "pid": 1, "push": 3})
+        _, stderr = first.communicate(timeout=60)
         assert first.returncode != 0
         line = one_line(stderr)
         assert f"the vLLM server at {server.url} was taken over by another run (output_dir /elsewhere, pid 1 on " \
@@ -147,6 +158,33 @@ def test_a_lease_is_taken_back_by_its_own_run_or_from_a_dead_process_on_this_hos
             with pytest.raises(SystemExit, match="serves another run"):
                 vllm_server.Lease(server, str(tmp_path / "mine"))
     set_version(server, "default")
+
+
+@requires_vllm
+def test_a_run_that_takes_the_server_during_a_push_keeps_it(tmp_path, chat_model_dir, server, monkeypatch):
+    """Another run's lease set while this run's weights load (here from inside the file push): the push stops with
+    the takeover's line before it sets its own version, so the other run keeps the server (its version stands), and
+    the server is resumed. Before, the push's version overwrote the other run's and this run trained on."""
+    import config
+    import safetensors.torch
+    from transformers import AutoModelForCausalLM
+
+    server, _ = server
+    cfg = config.Config(use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url,
+                        output_dir=str(tmp_path / "mine"), bf16=False)
+    engine = vllm_server.ServerEngine(cfg, AutoModelForCausalLM.from_pretrained(chat_model_dir), torch.device("cpu"))
+    engine.push()  # the server holds this run's weights
+    takeover = {"rloo": "/elsewhere", "host": "node-7", "pid": 1, "push": 0}
+    save = safetensors.torch.save_file
+    monkeypatch.setattr(safetensors.torch, "save_file", lambda *a, **k: set_version(server, takeover) or save(*a, **k))
+    try:
+        with pytest.raises(SystemExit, match="was taken over by another run \\(output_dir /elsewhere, pid 1 on node-7"):
+            engine.push()
+        assert json.loads(version(server)) == takeover
+        assert server.get("/is_paused") == {"is_paused": False}
+    finally:
+        set_version(server, "default")
+    assert samples(server)
 
 
 @requires_vllm
