@@ -17,9 +17,10 @@ FILTERS = {"min_p": (None, 0.0), "top_k": (0, 0), "top_p": (1.0, 1.0)}
 
 
 def active_filters(cfg):
-    """{flag: value} of the filters cfg sets, in FILTERS' order (None is off too)."""
+    """{flag: value} of the filters cfg sets, in FILTERS' order (None, and vLLM's off value such
+    as --min_p 0, are off too)."""
     values = {f: getattr(cfg, f) for f in FILTERS}
-    return {f: v for f, v in values.items() if v is not None and v != FILTERS[f][0]}
+    return {f: v for f, v in values.items() if v is not None and v not in FILTERS[f]}
 
 
 def vllm_filters(cfg):

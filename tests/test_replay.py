@@ -125,6 +125,19 @@ def test_the_flag_is_refused_where_the_kept_set_cannot_be_recomputed():
     assert startup_error(["--replay_sampling_mask", "true", "--top_p", "0.9"]) is None
 
 
+def test_a_filter_at_its_off_value_is_no_filter():
+    """--min_p 0 (vLLM's off value; ours is None) keeps every token: no filter to replay, and vLLM's log-probs are
+    exact as with none; --top_p 1 and --top_k 0 likewise."""
+    for flags in (["--min_p", "0"], ["--top_p", "1"], ["--top_k", "0"]):
+        cfg = config.parse_config(["--use_vllm", "--vllm_mode", "colocate", *flags])
+        assert sampler_rules.active_filters(cfg) == {}, flags
+        assert sampler_rules.sampler_logps_exact(cfg), flags
+        assert sampler_rules.vllm_filters(cfg) == {"min_p": 0.0, "top_k": 0, "top_p": 1.0}
+    assert startup_error(["--replay_sampling_mask", "true", "--min_p", "0"]) is not None  # none is set
+    cfg = config.parse_config(["--min_p", "0.05", "--top_k", "7"])
+    assert sampler_rules.active_filters(cfg) == {"min_p": 0.05, "top_k": 7}  # in vLLM's order
+
+
 def test_vllm_processed_log_probs_count_as_exact_only_when_replayed():
     cfg = config.parse_config(["--use_vllm", "--top_k", "5", "--vllm_mode", "colocate",
                                 "--temperature", "0.7"])
