@@ -134,8 +134,8 @@ class Lease:
     server belongs to one run at a time: at start-up a server another live run holds is one line
     naming it, each push sets this run's next version, and each push (before it, and before its
     version is set) and each sample (after it) check that the version is still this run's (of two
-    runs that start at once, the one overtaken stops). A resume (the same output_dir) takes its own lease back, as does a run
-    on the holder's host whose process is gone; close gives it back."""
+    runs that start at once, the one overtaken stops). A resume (the same output_dir) takes its own
+    lease back, as does a run on the holder's host whose process is gone; close gives it back."""
 
     def __init__(self, server, output_dir):
         self.server, self.pushes, run = server, 0, None
@@ -159,7 +159,7 @@ class Lease:
         return self.version
 
     def check(self, held=None):
-        """The server still holds this run's last push (before a push, after a sample), or `held`."""
+        """The server still holds this run's last push (before a push, after a sample), or held."""
         version = self.server.get("/weight_info")["weight_version"]
         if version != (held or self.version):
             other = lease_holder(version)
