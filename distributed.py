@@ -12,6 +12,7 @@ import datetime
 import os
 import socket
 import sys
+import threading
 import time
 
 import torch
@@ -40,13 +41,33 @@ def setup_distributed(timeout=1800.0):
     options = dict(timeout=datetime.timedelta(seconds=timeout), device_id=device_id)
     if "RANK" not in os.environ:
         options.update(store=dist.HashStore(), rank=0, world_size=1)
+    before = threads()
     dist.init_process_group(process_group_backend(device), **options)
     PEERS[:] = gather_objects((socket.gethostname(), os.getpid()))
+    # gloo's workers: named pt_gloo_runloop in newer torch; in 2.9 they keep this thread's name
+    # (NCCL's threads are named in both)
+    name = threads().get(str(threading.get_native_id()))
+    GLOO_THREADS[:] = [t for t, n in threads().items() if t not in before and
+                       n in ("pt_gloo_runloop", name)]
     return device
 
 
 # (host, pid) of every rank, by rank, gathered at start-up: how a survivor names a lost peer
 PEERS = []
+# the ids of the threads gloo started in setup_distributed; see wait_for_gloo_workers
+GLOO_THREADS = []
+
+
+def threads():
+    """{thread id: name} of this process's threads (Linux's /proc; elsewhere none)."""
+    found = {}
+    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                found[tid] = f.read().strip()
+        except OSError:  # the thread has just ended
+            continue
+    return found
 
 
 def lost_peers(wait=2.0):
@@ -256,8 +277,7 @@ def shutdown():
 
 
 def wait_for_gloo_workers(timeout=10.0, quiet=0.05):
-    """Return once gloo's worker threads (pt_gloo_runloop) are parked, so the interpreter may
-    finalize.
+    """Return once gloo's worker threads (gloo_workers) are parked, so the interpreter may finalize.
 
     destroy_process_group does not join them: FSDP2 still holds the group, and only its destructor
     joins them. A worker that has finished a collective but not yet dropped it (preempted on a busy
@@ -267,28 +287,30 @@ def wait_for_gloo_workers(timeout=10.0, quiet=0.05):
     context switches unchanged for `quiet` seconds while this thread sleeps without the GIL (a
     worker waiting for the GIL wakes every 5 ms). No work is queued after destroy_process_group, so
     a parked worker stays parked. Linux only (/proc); elsewhere a no-op."""
-    def workers():
-        found = {}
-        for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []:
-            try:
-                with open(f"/proc/self/task/{tid}/comm") as f:
-                    if f.read().strip() != "pt_gloo_runloop":
-                        continue
-                with open(f"/proc/self/task/{tid}/status") as f:
-                    status = dict(line.split(":", 1) for line in f)
-            except OSError:  # the thread has just ended
-                continue
-            found[tid] = tuple(status[k].split()[0] for k in
-                               ("State", "voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"))
-        return found
-
-    deadline, before = time.monotonic() + timeout, workers()
+    deadline, before = time.monotonic() + timeout, gloo_workers()
     while before and time.monotonic() < deadline:
         time.sleep(quiet)
-        now = workers()
+        now = gloo_workers()
         if now == before and all(state == "S" for state, _, _ in now.values()):
             return
         before = now
+
+
+def gloo_workers():
+    """{thread id: (state, voluntary and involuntary context switches)} of gloo's worker threads:
+    named pt_gloo_runloop (newer torch), or started in setup_distributed (GLOO_THREADS)."""
+    found = {}
+    for tid, name in threads().items():
+        if name != "pt_gloo_runloop" and tid not in GLOO_THREADS:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/status") as f:
+                status = dict(line.split(":", 1) for line in f)
+        except OSError:  # the thread has just ended
+            continue
+        found[tid] = tuple(status[k].split()[0] for k in
+                           ("State", "voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"))
+    return found
 
 
 def full_weights(model, tensors="state_dict"):

@@ -127,6 +127,35 @@ def test_lost_peers_names_the_ranks_gone_on_this_host_only(monkeypatch):
     child.wait()
 
 
+
+GLOO_EXIT = """
+    import os, sys, threading
+    import distributed
+    distributed.setup_distributed()
+    workers = list(distributed.gloo_workers())  # torch's default: two
+    assert len(workers) >= 2, (workers, distributed.threads())
+    assert str(threading.get_native_id()) not in workers
+    distributed.shutdown()
+    for t in workers:  # parked (or ended, where nothing else held the group), as the exit needs
+        if os.path.exists(f"/proc/self/task/{t}/stat"):
+            with open(f"/proc/self/task/{t}/stat") as f:
+                assert f.read().rsplit(")", 1)[1].split()[0] == "S", t
+    print("workers", len(workers))
+"""
+
+
+@pytest.mark.stack
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="threads are read from Linux's /proc")
+def test_the_exit_waits_on_gloo_s_workers_named_or_not():
+    """distributed.shutdown waits until gloo's worker threads are parked before the interpreter
+    finalizes (else a worker dropping a collective's tensors aborts the process). Torch 2.9 leaves
+    them unnamed: a wait for the name pt_gloo_runloop alone waited on none, and a two-rank test
+    aborted at exit in CI's oldest stage (torch 2.9). setup_distributed notes the threads gloo
+    started."""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(GLOO_EXIT)], capture_output=True,
+                          text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0 and "workers" in done.stdout, done.stderr[-2000:]
+
 COLLECTIVE_ERRORS = [  # (error, a lost peer's collective?)
     (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"), True),
     (torch.distributed.DistBackendError("Watchdog caught collective operation timeout"), True),
