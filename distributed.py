@@ -46,9 +46,10 @@ def setup_distributed(timeout=1800.0):
     PEERS[:] = gather_objects((socket.gethostname(), os.getpid()))
     # gloo's workers: named pt_gloo_runloop in newer torch; in 2.9 they keep this thread's name
     # (NCCL's threads are named in both)
-    name = threads().get(str(threading.get_native_id()))
-    GLOO_THREADS[:] = [t for t, n in threads().items() if t not in before and
-                       n in ("pt_gloo_runloop", name)]
+    now = threads()
+    name = now.get(str(threading.get_native_id()))
+    GLOO_THREADS[:] = [t for t, n in now.items()
+                       if t not in before and n in ("pt_gloo_runloop", name)]
     return device
 
 
@@ -266,11 +267,12 @@ def reduce_extremes(extremes):
     return dict(zip(names, (stacked * sign).tolist()))
 
 
-def shutdown():
+def shutdown(peers_alive=True):
     """Tear the process group down once every rank is done (rank 0 may still be writing the final
-    model)."""
+    model). peers_alive False: an error's way out, no barrier (the peers may be gone)."""
     if dist.is_initialized():
-        barrier()
+        if peers_alive:
+            barrier()
         PEERS.clear()  # they may now end: none of them is lost
         dist.destroy_process_group()
         wait_for_gloo_workers()

@@ -150,10 +150,8 @@ def lent():
         if dist.is_initialized() and not had_group:  # the run's group, once every rank is done
             distributed.shutdown()
     finally:
-        if dist.is_initialized() and not had_group:  # an error's way out: no barrier, the peers
-            distributed.PEERS.clear()  # may be gone
-            dist.destroy_process_group()
-            distributed.wait_for_gloo_workers()
+        if dist.is_initialized() and not had_group:  # an error's way out
+            distributed.shutdown(peers_alive=False)
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
         # init_process_group wraps sys's (a [rankN] prefix), once per group; logs.py threading's
