@@ -116,7 +116,8 @@ def set_cpu_threads():
     for the start-up line"""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     env = os.environ.get("OMP_NUM_THREADS")
-    threads, reason = choose_cpu_threads(cores, None if env else busy_cores(), env)
+    threads, reason = choose_cpu_threads(cores, None if env else busy_cores(since=IMPORTED),
+                                         env)
     torch.set_num_threads(threads)
     return f"{threads} thread(s): {reason}"
 
@@ -130,29 +131,47 @@ def choose_cpu_threads(cores, busy, env=None):
     return max(1, idle), f"{idle} of {cores} cores idle at start-up; OMP_NUM_THREADS overrides"
 
 
-def busy_cores(seconds=0.25):
-    """Cores' worth of CPU time other processes used over `seconds` (this one sleeps) on the cores
-    this process may run on (its affinity: a job confined to 8 of 64 cores does not count the
-    others' load): Linux's per-core lines of /proc/stat; 0 elsewhere."""
+def cpu_sample():
+    """(wall seconds, this process's CPU seconds, (total, idle + iowait) ticks of the cores this
+    process may run on: Linux's per-core lines of /proc/stat, or None elsewhere)"""
     mine = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-
-    def ticks():
-        total = idle = 0
+    total = idle = 0
+    try:
         with open("/proc/stat") as f:
             for line in f:
                 name, *fields = line.split()
-                if not name.startswith("cpu") or name == "cpu":
-                    continue
-                if mine is None or int(name[3:]) in mine:
+                if name.startswith("cpu") and name != "cpu" and (mine is None or
+                                                                 int(name[3:]) in mine):
                     values = [int(x) for x in fields]
                     total, idle = total + sum(values), idle + values[3] + values[4]
-        return total, idle  # all, idle + iowait
-    try:
-        (total0, idle0), _, (total1, idle1) = ticks(), time.sleep(seconds), ticks()
     except (OSError, ValueError, IndexError):
+        return time.monotonic(), 0.0, None
+    own = os.times()
+    return time.monotonic(), own.user + own.system, (total, idle)
+
+
+# taken at import: start-up's imports (seconds) are the window busy_cores samples, so that a run
+# does not sleep for one
+IMPORTED = cpu_sample()
+
+
+def busy_cores(seconds=0.25, since=None):
+    """Cores' worth of CPU time other processes used on the cores this process may run on (its
+    affinity: a job confined to 8 of 64 cores does not count the others' load), 0 where Linux's
+    /proc/stat is missing: since `since` (a cpu_sample from 0.25 to 60 s ago), else over `seconds`
+    of sleep. This process's own CPU time is not counted."""
+    first = since if since and 0.25 <= time.monotonic() - since[0] <= 60 else None
+    if first is None:
+        first = cpu_sample()
+        time.sleep(seconds)
+    last = cpu_sample()
+    if first[2] is None or last[2] is None:
         return 0.0
-    cores = len(mine) if mine else os.cpu_count() or 1
-    return cores * (1 - (idle1 - idle0) / max(1, total1 - total0))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        os.cpu_count() or 1
+    ticks, idle = last[2][0] - first[2][0], last[2][1] - first[2][1]
+    own = (last[1] - first[1]) * os.sysconf("SC_CLK_TCK")  # in ticks, as /proc/stat counts
+    return max(0.0, cores * (1 - (idle + own) / max(1, ticks)))
 
 
 def device_for(rank_on_node, local_processes, gpu_count):

@@ -316,6 +316,24 @@ def test_busy_cores_counts_only_the_cores_this_process_may_run_on(monkeypatch):
     assert distributed.busy_cores(0.0) == pytest.approx(0.5)
 
 
+def test_busy_cores_leaves_out_this_process_s_own_start_up(monkeypatch):
+    """Ours: the sample since import spans start-up's own imports (a core busy with them), which are
+    not a neighbour's load. Two cores, 200 ticks, 100 idle, 0.5 s of this process's CPU (50 ticks at
+    100 Hz): half a core was another process's. A window under 0.25 s or over 60 s old is not
+    used: a fresh sample sleeps for its own."""
+    monkeypatch.setattr(distributed.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(distributed.os, "sysconf", lambda name: 100)
+    now = distributed.time.monotonic()
+    monkeypatch.setattr(distributed, "cpu_sample", lambda: (now, 2.0, (1200, 500)))
+    assert distributed.busy_cores(since=(now - 3, 1.5, (1000, 400))) == pytest.approx(0.5)
+    slept, fresh = [], iter([(now, 2.0, (1200, 500)), (now, 2.0, (1400, 700))] * 2)
+    monkeypatch.setattr(distributed, "cpu_sample", lambda: next(fresh))
+    monkeypatch.setattr(distributed.time, "sleep", slept.append)
+    for age in (0.1, 61):  # all 200 ticks between the fresh samples idle
+        assert distributed.busy_cores(since=(now - age, 0.0, (0, 0))) == 0.0
+    assert slept == [0.25, 0.25]
+
+
 def test_the_start_up_line_says_the_thread_count_and_why(tmp_path):
     """Ours: OMP_NUM_THREADS in the environment of a real run is used and said in the start-up line."""
     done = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--max_steps", "1", *TINY,
