@@ -5,6 +5,7 @@ import importlib.util
 import json
 import string
 import subprocess
+import threading
 
 import pytest
 import torch
@@ -225,3 +226,28 @@ def length_reward_task(tmp_path):
     reward.write_text("def length_reward(completions, **kw):\n"
                       "    return [len(c[0]['content']) / 10 for c in completions]\n")
     return str(rows), f"{reward}:length_reward"
+
+
+def start_drained(args, **kwargs):
+    """subprocess.Popen(args) whose stdout and stderr threads read as it runs: a run that a test
+    waits on (for its steps, a takeover, a signal) never blocks on a full pipe (64 KiB). One did:
+    a vLLM takeover test waited out its 300 s for a run stuck writing its progress bar.
+    -> the Popen; drained(proc) reads what it printed"""
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+    proc.printed = ([], [])
+    proc.readers = [threading.Thread(target=lambda f=f, into=into: into.extend(iter(f.readline, "")),
+                                     daemon=True) for f, into in zip((proc.stdout, proc.stderr), proc.printed)]
+    for reader in proc.readers:
+        reader.start()
+    return proc
+
+
+def drained(proc, timeout=None):
+    """(stdout, stderr) of a start_drained process: all of it once it has ended, waiting up to timeout seconds for
+    that (subprocess.TimeoutExpired past it); with no timeout, of a running process what it has printed so far."""
+    if timeout is not None:
+        proc.wait(timeout=timeout)
+    if proc.poll() is not None:
+        for reader in proc.readers:
+            reader.join()
+    return tuple("".join(lines) for lines in proc.printed)

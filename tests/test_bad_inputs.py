@@ -24,7 +24,7 @@ import directories
 import data
 import rewards
 import train
-from conftest import read_only_mount
+from conftest import drained, read_only_mount, start_drained
 from test_train import FAST, read_metrics, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -402,16 +402,15 @@ def test_a_reward_that_exits_does_not_end_the_run_silently(tmp_path):
 def test_sigterm_stops_a_reward_that_never_returns(tmp_path):
     rewards_py = reward_file(tmp_path, "import asyncio\nasync def stuck(completions, **kw):\n"
                                        "    await asyncio.sleep(10**6)\n")
-    proc = subprocess.Popen([sys.executable, "train.py", *FAST, "--reward_funcs", f"{rewards_py}:stuck",
-                             "--output_dir", str(tmp_path / "run")], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = start_drained([sys.executable, "train.py", *FAST, "--reward_funcs", f"{rewards_py}:stuck",
+                          "--output_dir", str(tmp_path / "run")], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     while not (tmp_path / "run" / "metrics.jsonl").exists():  # the logger opens it just before the loop
-        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        assert proc.poll() is None, drained(proc)[1][-2000:]
         time.sleep(0.1)
     time.sleep(2)
     start = time.time()
     proc.send_signal(signal.SIGTERM)  # the reward gets 10 s to finish its step, then is stopped
-    _, stderr = proc.communicate(timeout=120)
+    _, stderr = drained(proc, 120)
     assert proc.returncode != 0 and "SIGTERM while reward function 'stuck' was running at step 0" in stderr
     assert 9 < time.time() - start < 60
 
@@ -437,11 +436,10 @@ def test_a_run_that_trained_nothing_exits_non_zero_and_saves_no_model(tmp_path):
 
 
 def train_until(args, out_dir, steps_logged):
-    proc = subprocess.Popen([sys.executable, "train.py", *args, "--output_dir", str(out_dir)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = start_drained([sys.executable, "train.py", *args, "--output_dir", str(out_dir)], cwd=ROOT,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
     while not (out_dir / "metrics.jsonl").exists() or len(read_metrics(out_dir)) < steps_logged:
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert proc.poll() is None, drained(proc)[1][-3000:]
         time.sleep(0.05)
     return proc
 
@@ -455,7 +453,7 @@ def test_ctrl_c_saves_a_checkpoint_like_sigterm_and_a_second_one_exits_at_once(t
             "16", "--reward_funcs", f"{rewards_py}:slow"]
     proc = train_until(args, tmp_path / "once", 3)
     proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=120)
+    stdout, stderr = drained(proc, 120)
     assert proc.returncode == 0, stderr[-2000:]
     assert "stopped by a signal: saved checkpoint-" in stdout and "--resume_from_checkpoint latest" in stdout
     assert any(p.startswith("checkpoint-") for p in os.listdir(tmp_path / "once"))
@@ -463,7 +461,7 @@ def test_ctrl_c_saves_a_checkpoint_like_sigterm_and_a_second_one_exits_at_once(t
     proc.send_signal(signal.SIGINT)
     time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=60)
+    _, stderr = drained(proc, 60)
     assert proc.returncode == 130 and "second Ctrl-C: exiting now" in stderr
 
 

@@ -3,6 +3,7 @@ that cannot start is one line at start-up; a sink that fails mid-run (its direct
 full device, wandb's service killed) is dropped with one warning line while training, checkpoints and the other
 sinks go on (docs/troubleshooting.md 'Logs')."""
 
+import functools
 import glob
 import importlib.util
 import json
@@ -15,15 +16,20 @@ import time
 
 import pytest
 
+from conftest import drained, start_drained
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = ["--logging_steps", "1", "--per_device_train_batch_size", "16", "--num_generations", "4"]
 SINKS = importlib.util.find_spec("wandb") and importlib.util.find_spec("tensorboard")
 
 
-def start(args, out, env=None, preexec_fn=None):
-    return subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *FLAGS, *args, "--output_dir", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, preexec_fn=preexec_fn,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})})
+def start(args, out, env=None, preexec_fn=None, pipes=False):
+    """train.py, its output read as it runs (start_drained); pipes: left to the test to read."""
+    launch = functools.partial(subprocess.Popen, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) \
+        if pipes else start_drained
+    return launch([sys.executable, os.path.join(ROOT, "train.py"), *FLAGS, *args, "--output_dir", str(out)],
+                  cwd=ROOT, preexec_fn=preexec_fn,
+                  env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})})
 
 
 def lines_logged(out):
@@ -36,7 +42,7 @@ def lines_logged(out):
 
 def wait_for_lines(proc, out, n):
     while lines_logged(out) < n:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert proc.poll() is None, drained(proc)[1][-3000:]
         time.sleep(0.02)
 
 
@@ -89,7 +95,7 @@ def test_a_sink_that_fails_mid_run_is_dropped_with_one_warning_and_the_run_goes_
         delete_output_dir(proc, out)
     if case == "wandb service killed":
         kill_wandb_service(proc, out)
-    stdout, stderr = proc.communicate(timeout=600)
+    stdout, stderr = drained(proc, 600)
     assert proc.returncode == 0, stderr[-3000:]
     assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr[-3000:]
     warnings = [line.split("rloo: WARNING: ")[1] for line in stderr.splitlines() if "rloo: WARNING: " in line]
@@ -160,9 +166,9 @@ import os, subprocess, sys, time
 mount, train = sys.argv[1], sys.argv[2:]
 subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", mount], check=True)
 out = os.path.join(mount, "run")
-proc = subprocess.Popen(train + ["--output_dir", out], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+proc = subprocess.Popen(train + ["--output_dir", out])  # prints where this prints: read as it runs
 while not os.path.exists(os.path.join(out, "metrics.jsonl")) or open(os.path.join(out, "metrics.jsonl")).read().count("\\n") < 5:
-    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    assert proc.poll() is None
     time.sleep(0.02)
 try:
     with open(os.path.join(mount, "filler"), "wb") as f:  # the disk fills up under the run
@@ -170,10 +176,7 @@ try:
             f.write(b"x" * 2**20)
 except OSError:
     pass
-stdout, stderr = proc.communicate()
-sys.stdout.write(stdout)
-sys.stderr.write(stderr)
-sys.exit(proc.returncode)
+sys.exit(proc.wait())
 """
 
 
@@ -205,7 +208,7 @@ def test_stdout_whose_reader_is_gone_stops_printing_not_the_run(tmp_path):
     SIGPIPE); the run says so once on stderr and goes on to its last step, checkpoint and final model, with no
     traceback, not even at the interpreter's exit."""
     out = tmp_path / "run"
-    proc = start(["--max_steps", "30", "--save_steps", "0"], out)
+    proc = start(["--max_steps", "30", "--save_steps", "0"], out, pipes=True)
     for _ in range(3):
         proc.stdout.readline()
     proc.stdout.close()  # head has read its lines
@@ -215,3 +218,19 @@ def test_stdout_whose_reader_is_gone_stops_printing_not_the_run(tmp_path):
     assert stderr.count("rloo: WARNING: stdout's reader is gone (broken pipe): nothing more is printed there") == 1
     assert lines_logged(out) == 30 and os.path.exists(out / "model.safetensors")
     assert os.path.isdir(out / "checkpoint-30")
+
+
+def test_a_process_a_test_waits_on_never_blocks_on_its_output(tmp_path):
+    """Ours (the tests' own helper): a run that prints more than a pipe holds (64 KiB) while a test waits for its
+    steps goes on, and all it printed is read. Unread pipes stalled a vLLM takeover test for its 300 s timeout."""
+    done = tmp_path / "done"
+    proc = start_drained([sys.executable, "-c", "import sys; [print('x' * 99, file=f) for _ in range(2000) "
+                          f"for f in (sys.stdout, sys.stderr)]; open({str(done)!r}, 'w').close(); sys.stdin.read()"],
+                         stdin=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not done.exists():  # the test waits as the run tests wait for steps, the process still running
+        assert proc.poll() is None and time.monotonic() < deadline, "the process blocked on its output"
+        time.sleep(0.05)
+    proc.stdin.close()
+    stdout, stderr = drained(proc, 60)
+    assert proc.returncode == 0 and stdout == stderr == ("x" * 99 + "\n") * 2000

@@ -242,7 +242,7 @@ import sys  # noqa: E402
 import time  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from conftest import requires_vllm  # noqa: E402
+from conftest import drained, requires_vllm, start_drained  # noqa: E402
 
 
 def vllm_worker(tmp_path, torchrun, *flags):
@@ -404,19 +404,18 @@ def test_vllm_server_dying_mid_run_stops_training_with_a_clear_error(tmp_path, c
     server = start_server(chat_model_dir, port)
     try:
         wait_for_server(f"http://127.0.0.1:{port}", timeout=240)
-        trainer = subprocess.Popen(
+        trainer = start_drained(
             [sys.executable, os.path.join(ROOT, "train.py"), "--model", str(chat_model_dir), "--dataset",
              os.path.join(ROOT, "tests", "data", "math.jsonl"), "--reward_funcs", "accuracy_reward", "--use_vllm",
              "--vllm_mode", "server", "--vllm_server_port", str(port), "--bf16", "false", "--max_steps", "100000",
-             "--max_completion_length", "8", "--logging_steps", "1", "--output_dir", str(tmp_path), *flags],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+             "--max_completion_length", "8", "--logging_steps", "1", "--output_dir", str(tmp_path), *flags], cwd=ROOT)
         while not (tmp_path / "metrics.jsonl").exists() or len((tmp_path / "metrics.jsonl").read_text().splitlines()) < 2:
-            assert trainer.poll() is None, trainer.stderr.read()[-3000:]
+            assert trainer.poll() is None, drained(trainer)[1][-3000:]
             time.sleep(0.1)
     finally:
         os.killpg(server.pid, signal.SIGKILL)  # the server and its engine processes die mid-run, no goodbye
         server.wait()
-    _, stderr = trainer.communicate(timeout=120)  # bounded retries, then out: no hang
+    _, stderr = drained(trainer, 120)  # bounded retries, then out: no hang
     assert trainer.returncode != 0
     assert f"vLLM server http://127.0.0.1:{port}" in stderr and "unreachable after 3 tries" in stderr
 

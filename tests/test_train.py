@@ -24,7 +24,7 @@ import metrics
 import rewards
 import rollout
 import train
-from conftest import requires_vllm
+from conftest import drained, requires_vllm, start_drained
 from rewards import RewardFunctions
 from rloo import rloo_advantages, sequence_kl
 
@@ -568,15 +568,14 @@ def test_a_resume_goes_on_where_the_data_allows_or_is_told_to(checkpointed, tmp_
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), "--max_steps", "100000",
-                             "--logging_steps", "1", "--save_steps", "0", "--per_device_train_batch_size", "16",
-                             "--output_dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=ROOT)
+    proc = start_drained([sys.executable, os.path.join(ROOT, "train.py"), "--max_steps", "100000",
+                          "--logging_steps", "1", "--save_steps", "0", "--per_device_train_batch_size", "16",
+                          "--output_dir", str(tmp_path)], cwd=ROOT)
     while not (tmp_path / "metrics.jsonl").exists() or len(read_metrics(tmp_path)) < 3:
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert proc.poll() is None, drained(proc)[1][-3000:]
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=120)
+    stdout, stderr = drained(proc, 120)
     assert proc.returncode == 0, stderr[-3000:]
     assert "stopped by a signal: saved checkpoint-" in stdout
     (saved,) = checkpoint.checkpoint_dirs(str(tmp_path))
@@ -589,14 +588,14 @@ def test_save_strategy_no_writes_the_final_model_and_no_checkpoint_even_on_sigte
     assert out.returncode == 0, out.stderr[-3000:]
     assert checkpoint.checkpoint_dirs(str(tmp_path / "whole")) == []
     assert os.path.exists(tmp_path / "whole" / "model.safetensors") and len(read_metrics(tmp_path / "whole")) == 4
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), "--max_steps", "100000",
-                             "--logging_steps", "1", "--save_strategy", "no", "--output_dir", str(tmp_path / "cut")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = start_drained([sys.executable, os.path.join(ROOT, "train.py"), "--max_steps", "100000",
+                          "--logging_steps", "1", "--save_strategy", "no", "--output_dir", str(tmp_path / "cut")],
+                         cwd=ROOT)
     while not (tmp_path / "cut" / "metrics.jsonl").exists() or len(read_metrics(tmp_path / "cut")) < 2:
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert proc.poll() is None, drained(proc)[1][-3000:]
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=120)
+    stdout, stderr = drained(proc, 120)
     assert proc.returncode == 0 and "--save_strategy no: nothing saved" in stdout, stderr[-3000:]
     assert checkpoint.checkpoint_dirs(str(tmp_path / "cut")) == []
 

@@ -16,7 +16,7 @@ import torch
 
 import models
 import vllm_server
-from conftest import build_chat_model, length_reward_task, requires_vllm
+from conftest import build_chat_model, drained, length_reward_task, requires_vllm, start_drained
 from test_rollout import free_port, start_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,13 +56,12 @@ def run(args, **kwargs):
 
 
 def start(args):
-    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return start_drained(args, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def wait_for_steps(proc, out, steps):
     while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < steps:
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert proc.poll() is None, drained(proc)[1][-3000:]
         time.sleep(0.1)
 
 
@@ -119,7 +118,7 @@ def test_a_server_belongs_to_one_run_at_a_time(tmp_path, chat_model_dir, server)
         line = one_line(second.stderr)
         assert f"the vLLM server at {server.url} serves another run (output_dir {tmp_path / 'first'}, pid " in line
         take_over(first, server, {"rloo": "/elsewhere", "host": "node-7", "pid": 1, "push": 3})
-        _, stderr = first.communicate(timeout=60)
+        _, stderr = drained(first, 60)
         assert first.returncode != 0
         line = one_line(stderr)
         assert f"the vLLM server at {server.url} was taken over by another run (output_dir /elsewhere, pid 1 on " \
@@ -218,10 +217,10 @@ def test_a_frozen_server_is_one_line_after_the_timeout_and_the_run_resumes_exact
     frozen = start(args + ["--output_dir", str(tmp_path / "frozen")])
     try:
         while not (tmp_path / "frozen" / "checkpoint-2" / "trainer_state.json").exists():
-            assert frozen.poll() is None, frozen.stderr.read()[-3000:]
+            assert frozen.poll() is None, drained(frozen)[1][-3000:]
             time.sleep(0.05)
         os.killpg(group, signal.SIGSTOP)
-        _, stderr = frozen.communicate(timeout=120)  # a hang guard, far above the 5 s bound
+        _, stderr = drained(frozen, 120)  # a hang guard, far above the 5 s bound
     finally:
         os.killpg(group, signal.SIGCONT)
         frozen.kill()
