@@ -108,8 +108,13 @@ def test_a_server_belongs_to_one_run_at_a_time(tmp_path, chat_model_dir, server)
     took over (here its lease set by hand, as a run that started at the same moment would) stops at its next
     sample; a server given back (by a run's end, or a lease set free) serves the next run, and is given back by it."""
     server, _ = server
+    # the first run's reward sleeps: it holds the server mostly idle, so the second run's start-up has the CPU
+    # (training flat out beside it, the second took 55 s here and the test 200 s in CI)
+    slow = tmp_path / "slow.py"
+    slow.write_text("import time\n"
+                    "def slow(completions, **kw):\n    time.sleep(2)\n    return [0.0] * len(completions)\n")
     first = start(train_args(tmp_path, chat_model_dir, server, "--max_steps", "100000", "--output_dir",
-                             str(tmp_path / "first")))
+                             str(tmp_path / "first"), "--reward_funcs", f"{slow}:slow"))
     try:
         wait_for_steps(first, tmp_path / "first", 1)
         second = run(train_args(tmp_path, chat_model_dir, server, "--max_steps", "2", "--output_dir",
