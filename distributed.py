@@ -114,10 +114,9 @@ def set_cpu_threads():
     keeps busy holds up every parallel op: 100 steps of the embedded task beside one busy process
     on 2 cores take ~29 s with 2 threads, ~17 s with 1; quiet, 2 threads are the faster. -> a note
     for the start-up line"""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     env = os.environ.get("OMP_NUM_THREADS")
-    threads, reason = choose_cpu_threads(cores, None if env else busy_cores(since=IMPORTED),
-                                         env)
+    busy = None if env else busy_cores(since=IMPORTED)
+    threads, reason = choose_cpu_threads(usable_cores(), busy, env)
     torch.set_num_threads(threads)
     return f"{threads} thread(s): {reason}"
 
@@ -129,6 +128,11 @@ def choose_cpu_threads(cores, busy, env=None):
         return int(env), f"OMP_NUM_THREADS={env}"
     idle = max(0, min(cores, int(cores - busy + 0.5)))
     return max(1, idle), f"{idle} of {cores} cores idle at start-up; OMP_NUM_THREADS overrides"
+
+
+def usable_cores():
+    """The cores this process may run on (its affinity; all where that is unknown)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def cpu_sample():
@@ -163,15 +167,15 @@ def busy_cores(seconds=0.25, since=None):
     first = since if since and 0.25 <= time.monotonic() - since[0] <= 60 else None
     if first is None:
         first = cpu_sample()
+        if first[2] is None:  # no /proc/stat: nothing to wait for
+            return 0.0
         time.sleep(seconds)
     last = cpu_sample()
     if first[2] is None or last[2] is None:
         return 0.0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
-        os.cpu_count() or 1
     ticks, idle = last[2][0] - first[2][0], last[2][1] - first[2][1]
     own = (last[1] - first[1]) * os.sysconf("SC_CLK_TCK")  # in ticks, as /proc/stat counts
-    return max(0.0, cores * (1 - (idle + own) / max(1, ticks)))
+    return max(0.0, usable_cores() * (1 - (idle + own) / max(1, ticks)))
 
 
 def device_for(rank_on_node, local_processes, gpu_count):
