@@ -9,9 +9,9 @@ detection for SDPA builds a dense [1, 1, N, N] mask and computes all N^2 scores:
 padded batch.) On a GPU, the same keyword arguments (cu_seq_lens_q/k, max_length_q/k) are those
 transformers' flash_attention_2 integration takes for flash_attn_varlen_func (a test checks the
 names against its _flash_attention_forward, and the int32 offsets the kernel needs). VARLEN calls
-PyTorch's varlen_attn (FlashAttention) where it fits, else causal SDPA per sequence, sequences of
-one length in one call; the kernel's layout and arguments are checked on a CPU against that loop,
-the kernel itself not yet on a GPU.
+PyTorch's varlen_attn (FlashAttention) where it fits, else causal SDPA per sequence, the sequences
+padded into a few groups of similar length, one call a group (unit_groups); the kernel's layout and
+arguments are checked on a CPU against that path, the kernel itself not yet on a GPU.
 
 Where the attention runs per sequence (a CPU), the G completions of a prompt share it: the row holds
 the prompt once, then its completions, each attending to the prompt and to itself (a mask per
@@ -184,48 +184,98 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     if kernel == FLASH:
         return flash_varlen(query, key, value, cu_seq_lens_q, kwargs.get("max_length_q"),
                             scaling), None
-    groups = query.shape[1] // key.shape[1]  # grouped-query attention: kv heads shared
-    if groups > 1:
-        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    repeats = query.shape[1] // key.shape[1]  # grouped-query attention: kv heads shared
+    if repeats > 1:
+        key, value = key.repeat_interleave(repeats, 1), value.repeat_interleave(repeats, 1)
     lengths = cu_seq_lens_q.diff().tolist()  # note: a device-to-host sync, once per layer
     dtype = query.dtype
-    if query.device.type == "cpu":
+    if query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16):
         # CPU bf16 SDPA compiles a kernel per new sequence length (5-35 ms each, measured, and a
         # packed row brings a new length per sequence); fp32 compiles none and is as fast here
         query, key, value = query.float(), key.float(), value.float()
-    layouts = layouts or [(n,) for n in lengths]
-    # split, not a slice per sequence: a slice's backward writes a zero [1, heads, N, d] gradient
-    # each, so b sequences cost b times the row (split's backward is one concatenation)
-    parts = [x.split(lengths, 2) for x in (query, key, value)]
-    out = [None] * len(lengths)
-    for layout, units in same_layouts(layouts).items():  # one SDPA call per layout
-        mask = shared_prompt_mask(layout, query.device)
-        q, k, v = (torch.cat([part[i] for i in units]) for part in parts)  # [units, heads, n, d]
+    index, groups, inverse = unit_groups(tuple(layouts or ((n,) for n in lengths)),
+                                         query.shape[1] * query.shape[3], query.device)
+    # one gather a tensor and one back, of whole tokens ([N, heads, d] rows), each the other's
+    # backward (Regather): backward writes the row a few times, not once a unit
+    sizes = [units * m for _, (units, m) in groups]
+    parts = [Regather.apply(x[0].transpose(0, 1), index, inverse).split(sizes)
+             for x in (query, key, value)]
+    pieces = []
+    for (mask, shape), q, k, v in zip(groups, *parts):  # mask [units, 1, m, m], shape (units, m)
+        q, k, v = (x.unflatten(0, shape).transpose(1, 2) for x in (q, k, v))  # [units, heads, m, d]
         attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
                                                   scale=scaling, is_causal=mask is None)
-        for i, piece in zip(units, attended.split(1)):
-            out[i] = piece
-    return torch.cat(out, 2).to(dtype).transpose(1, 2).contiguous(), None
+        pieces.append(attended.transpose(1, 2).flatten(0, 1))  # [units * m, heads, d]
+    out = Regather.apply(torch.cat(pieces), inverse, index)  # [N, heads, d]: back in row order
+    return out.to(dtype)[None], None
 
 
-def same_layouts(layouts):
-    """Unit indices by layout: units of one layout (a sequence's length; a shared prompt's and its
-    completions') stack into one batch of the same attention."""
-    units = {}
-    for i, layout in enumerate(layouts):
-        units.setdefault(layout, []).append(i)
-    return units
+class Regather(torch.autograd.Function):
+    """x.index_select(0, index), whose backward is the gradient's index_select(0, back): exact
+    where index and back are each other's inverse on the row's tokens. A padding slot (a copy of
+    token 0) is read by no real query (unit_groups' masks) and its gradient is dropped: no zero
+    row and scatter-add per tensor, which index_select's own backward costs."""
+
+    @staticmethod
+    def forward(ctx, x, index, back):
+        ctx.save_for_backward(back)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.index_select(0, ctx.saved_tensors[0]), None, None
 
 
-@functools.lru_cache(maxsize=1024)
-def shared_prompt_mask(layout, device):
-    """A unit's attention: layout (n,) a plain sequence, causal (None: SDPA's is_causal);
-    (P, T_1, ..., T_k) a prompt of P tokens and its completions: each token attends causally to
-    its prompt and its own completion.  [n, n] bool"""
-    if len(layout) == 1:
-        return None
-    segment = torch.cat([torch.full((n,), j, device=device) for j, n in enumerate(layout)])
-    causal = torch.ones(len(segment), len(segment), dtype=torch.bool, device=device).tril()
+# What an SDPA call costs beyond its arithmetic, as the FLOPs of scores it could compute instead:
+# about 40 us of this project's CPU (2 threads), each call and its backward, on the embedded
+# model's units. A unit joins the group of a longer one where its padding costs less.
+CALL_FLOPS = 3e6
+
+
+@functools.lru_cache(maxsize=8)
+def unit_groups(layouts, width, device):
+    """Units (their layouts, in row order) padded into groups of one length, one SDPA call a
+    group: a unit joins the group of the longest unit not yet placed (m tokens) where the scores
+    its padding adds, 4 * width * (m^2 - n^2) FLOPs (width: heads * head dim), cost less than a
+    call (CALL_FLOPS). Small units, whose calls cost more than their attention, go in few calls;
+    large ones pad only where they are nearly as long. -> the groups' tokens as indices into the
+    row [sum of units * m], the groups [(mask [units, 1, m, m], or None where causal suffices:
+    plain sequences of one length; (units, m))], and each row token's place in the groups'
+    tokens [N]. A padding slot repeats token 0 and attends to itself alone: no real query reads
+    it, and its output (dropped) reaches no real token's gradient (Regather). Built once a batch:
+    every layer and pass of one micro-batch has the same layouts."""
+    lengths = [sum(layout) for layout in layouts]
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    order = sorted(range(len(layouts)), key=lambda i: -lengths[i])
+    indices, groups, inverse, placed = [], [], [0] * starts[-1], 0
+    while order:
+        m = lengths[order[0]]
+        units = [i for i in order if 4 * width * (m * m - lengths[i] ** 2) <= CALL_FLOPS]
+        order = order[len(units):]
+        index = torch.zeros(len(units), m, dtype=torch.long)
+        padded = any(lengths[i] < m for i in units)  # pad queries must not see real keys
+        plain = all(len(layouts[i]) == 1 for i in units) and not padded
+        mask = None if plain else torch.eye(m, dtype=torch.bool).repeat(len(units), 1, 1, 1)
+        for j, i in enumerate(units):
+            n = lengths[i]
+            index[j, :n] = torch.arange(starts[i], starts[i] + n)
+            inverse[starts[i]:starts[i] + n] = range(placed + j * m, placed + j * m + n)
+            if not plain:
+                mask[j, 0, :n, :n] = shared_prompt_mask(layouts[i])
+        placed += len(units) * m
+        indices.append(index.flatten())
+        groups.append((None if plain else mask.to(device), (len(units), m)))
+    return torch.cat(indices).to(device), groups, torch.tensor(inverse, device=device)
+
+
+def shared_prompt_mask(layout):
+    """A unit's attention: layout (n,) a plain sequence, causal; (P, T_1, ..., T_k) a prompt of P
+    tokens and its completions: each token attends causally to its prompt and its own completion.
+    [n, n] bool"""
+    segment = torch.cat([torch.full((n,), j) for j, n in enumerate(layout)])
+    causal = torch.ones(len(segment), len(segment), dtype=torch.bool).tril()
     return causal & ((segment[None] == 0) | (segment[None] == segment[:, None]))
 
 

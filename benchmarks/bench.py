@@ -68,6 +68,10 @@ CONFIGS = {
     "overhead": dict(model=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2,
                                 num_attention_heads=1),
                      num_generations=4, batch=16, max_completion_length=16),
+    # the embedded default's model and batch (data.embedded_task, config.EMBEDDED_PRESET)
+    "embedded": dict(model=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                                num_attention_heads=1, vocab_size=12),
+                     num_generations=8, batch=128, max_completion_length=5),
     "compute": dict(model=dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
                                num_attention_heads=4),
                     num_generations=8, batch=64, max_completion_length=64),
