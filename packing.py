@@ -238,45 +238,41 @@ def unit_groups(layouts, width, device):
     group: a unit joins the group of the longest unit not yet placed (m tokens) where the scores
     its padding adds, 4 * width * (m^2 - n^2) FLOPs (width: heads * head dim), cost less than a
     call (CALL_FLOPS). Small units, whose calls cost more than their attention, go in few calls;
-    large ones pad only where they are nearly as long. -> the groups' tokens as indices into the
+    large ones pad only where they are nearly as long. A unit's layout: (n,) a plain sequence,
+    causal; (P, T_1, ..., T_k) a prompt of P tokens and its completions, each token attending
+    causally to its prompt and its own completion. -> the groups' tokens as indices into the
     row [sum of units * m], the groups [(mask [units, 1, m, m], or None where causal suffices:
     plain sequences of one length; (units, m))], and each row token's place in the groups'
     tokens [N]. A padding slot repeats token 0 and attends to itself alone: no real query reads
     it, and its output (dropped) reaches no real token's gradient (Regather). Built once a batch:
     every layer and pass of one micro-batch has the same layouts."""
     lengths = [sum(layout) for layout in layouts]
-    starts = [0]
-    for n in lengths:
-        starts.append(starts[-1] + n)
+    n = torch.tensor(lengths)  # [u]
+    starts = n.cumsum(0) - n
+    # each token's segment in its unit: 0 the prompt (or a plain sequence), j its j-th completion
+    segment = torch.tensor([j for layout in layouts for j, part in enumerate(layout)
+                            for _ in range(part)])  # [N]
     order = sorted(range(len(layouts)), key=lambda i: -lengths[i])
-    indices, groups, inverse, placed = [], [], [0] * starts[-1], 0
+    indices, groups, inverse, placed = [], [], torch.empty(len(segment), dtype=torch.long), 0
     while order:
         m = lengths[order[0]]
         units = [i for i in order if 4 * width * (m * m - lengths[i] ** 2) <= CALL_FLOPS]
         order = order[len(units):]
-        index = torch.zeros(len(units), m, dtype=torch.long)
-        padded = any(lengths[i] < m for i in units)  # pad queries must not see real keys
-        plain = all(len(layouts[i]) == 1 for i in units) and not padded
-        mask = None if plain else torch.eye(m, dtype=torch.bool).repeat(len(units), 1, 1, 1)
-        for j, i in enumerate(units):
-            n = lengths[i]
-            index[j, :n] = torch.arange(starts[i], starts[i] + n)
-            inverse[starts[i]:starts[i] + n] = range(placed + j * m, placed + j * m + n)
-            if not plain:
-                mask[j, 0, :n, :n] = shared_prompt_mask(layouts[i])
+        position = torch.arange(m)
+        real = position < n[units, None]  # [g, m]
+        index = torch.where(real, starts[units, None] + position, 0)  # [g, m] padding: token 0
+        inverse[index[real]] = (placed + torch.arange(len(units) * m)).view(-1, m)[real]
         placed += len(units) * m
         indices.append(index.flatten())
-        groups.append((None if plain else mask.to(device), (len(units), m)))
-    return torch.cat(indices).to(device), groups, torch.tensor(inverse, device=device)
-
-
-def shared_prompt_mask(layout):
-    """A unit's attention: layout (n,) a plain sequence, causal; (P, T_1, ..., T_k) a prompt of P
-    tokens and its completions: each token attends causally to its prompt and its own completion.
-    [n, n] bool"""
-    segment = torch.cat([torch.full((n,), j) for j, n in enumerate(layout)])
-    causal = torch.ones(len(segment), len(segment), dtype=torch.bool).tril()
-    return causal & ((segment[None] == 0) | (segment[None] == segment[:, None]))
+        if all(len(layouts[i]) == 1 for i in units) and real.all():  # causal suffices
+            groups.append((None, (len(units), m)))
+            continue
+        seg = torch.where(real, segment[index], -1)  # [g, m]
+        mask = (seg[:, None] == 0) | (seg[:, None] == seg[:, :, None])  # [g, query, key]
+        mask &= real[:, None] & real[:, :, None] & torch.ones(m, m, dtype=torch.bool).tril()
+        mask |= torch.eye(m, dtype=torch.bool) & ~real[:, :, None]  # padding: itself alone
+        groups.append((mask[:, None].to(device), (len(units), m)))
+    return torch.cat(indices).to(device), groups, inverse.to(device)
 
 
 FLASH, PER_SEQUENCE = "FlashAttention varlen", "causal SDPA per sequence"
