@@ -164,8 +164,9 @@ def lent():
         os.environ.clear()
         os.environ.update(environ)
         warnings.filters[:] = filters
-        for name, level in levels.items():
-            logging.getLogger(name).setLevel(level)
+        for name, level in levels.items():  # setLevel clears all loggers' caches: changed ones only
+            if logging.getLogger(name).level != level:
+                logging.getLogger(name).setLevel(level)
         user_code.forget()
         packing.BASE.clear()  # keyed by id(config): a later run's config may reuse an id
         if tqdm.monitor is not monitor:  # the thread tqdm starts with the first progress bar

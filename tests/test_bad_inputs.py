@@ -264,6 +264,19 @@ def test_a_bad_dataset_row_is_one_line_naming_the_row(tmp_path, case):
     assert "\n" not in error
 
 
+def test_the_startup_checks_read_the_prompt_column_whole_not_row_by_row(tmp_path, monkeypatch):
+    """datasets >= 4 returns a Column for dataset["prompt"], whose iteration formats one row at a time (seconds a
+    pass on 100k rows; start-up made five passes): every check reads the column as one list."""
+    from datasets import arrow_dataset
+    if not hasattr(arrow_dataset, "Column"):
+        pytest.skip("datasets < 4: dataset['prompt'] is already a list")
+    monkeypatch.setattr(arrow_dataset.Column, "__iter__", lambda self: pytest.fail("a Column iterated by row"))
+    rows = [GOOD, {"prompt": [{"role": "user", "content": "1="}], "target": "1"}] * 8
+    assert data_error(tmp_path, rows, tokenizer_template=TEMPLATE, extra=("--eval_split", "train")) is None
+    dataset, _, _ = data.load_datasets(train.parse_config(["--dataset", str(tmp_path / "data.jsonl")]))
+    assert data.identity(dataset)["rows"] == 16
+
+
 def test_a_model_directory_passed_as_the_dataset(tmp_path):
     model, tokenizer, _ = data.embedded_task(0)
     model.save_pretrained(tmp_path / "model")
