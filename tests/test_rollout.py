@@ -442,6 +442,24 @@ def test_images_enter_the_first_user_message_and_every_image_form_loads(tmp_path
         prompting.row_images({"image": [str(tmp_path / "broken.png")]})
 
 
+def test_the_most_images_a_row_carries_is_counted_without_decoding_them(monkeypatch):
+    """What vLLM makes room for (limit_mm_per_prompt), counted over the rows a select or shuffle kept and the
+    null or empty ones, in Arrow: an image decoded to count it fails the test."""
+    from datasets import Dataset, Features, Image as ImageFeature, Sequence, Value
+    from datasets.features import image as image_feature
+    from PIL import Image
+
+    picture = Image.new("RGB", (4, 4))
+    lists = [[picture] * (i % 4) for i in range(40)] + [None, []]
+    features = Features({"prompt": Value("string"), "images": Sequence(ImageFeature())})
+    dataset = Dataset.from_dict({"prompt": ["x"] * len(lists), "images": lists}, features=features)
+    monkeypatch.setattr(image_feature.Image, "decode_example", lambda *a, **k: pytest.fail("an image decoded"))
+    assert data.max_images_per_row(dataset) == 3
+    for kept in ([0, 4, 8, 40, 41], [2, 41], [40, 41]):  # a select's indices mapping; no images at all
+        assert data.max_images_per_row(dataset.select(kept)) == max(len(lists[i] or []) for i in kept)
+    assert data.max_images_per_row(Dataset.from_dict({"prompt": ["x"]})) == 1  # no `images` column: at most one
+
+
 @pytest.mark.parametrize("family", ["llava", "idefics3", "qwen2vl"])
 def test_vlm_training_forward_reproduces_the_sampler_log_probs(tmp_path, family, image_dataset):
     """Rows with 1 and 2 images of different sizes, G=2; the training forward re-processes micro-batches of 3 rows
