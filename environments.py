@@ -43,7 +43,8 @@ from config import fail
 from forward import micro_batches
 from lookup import ScoredLookup, lookup_environment
 from metrics import merge_timings
-from prompting import is_conversational, pad, prompt_tensors, repeat_each, tokenize_prompts
+from prompting import (completion_texts, is_conversational, pad, prompt_tensors, repeat_each,
+                       tokenize_prompts)
 from reward_calls import user_error
 
 
@@ -455,7 +456,7 @@ class MultiTurn:
         lists = [t.ids for t in trajectories]
         rollout = Rollout(rows, prompt_ids, prompt_mask, completion_ids, completion_mask,
                           torch.tensor([t.truncated for t in trajectories], device=device), lists,
-                          self.tokenizer.batch_decode(lists, skip_special_tokens=True), logps,
+                          completion_texts(self.tokenizer, lists), logps,
                           generated_mask=generated, turns=[t.turns for t in trajectories],
                           environments=[user_object(t.env) for t in trajectories])
         rollout.turn_stats = turn_stats(trajectories, device)

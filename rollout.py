@@ -22,8 +22,8 @@ import stack
 from batches import Rollout
 from forward import micro_batches
 from metrics import note_memory
-from prompting import (eos_token_ids, image_token_ids, pad, pixel_inputs_for, prompt_tensors,
-                     row_images, tokenize_prompts)
+from prompting import (completion_texts, eos_token_ids, image_token_ids, pad, pixel_inputs_for,
+                       prompt_tensors, row_images, tokenize_prompts)
 from sampler_rules import sampling_filter
 from sampler import draw, row_keys, sampling_processors, with_bad_word_ids
 
@@ -157,7 +157,7 @@ def finish(rows, prompt_ids, prompt_mask, completion_ids, sampler_logps, eos_ids
         # where(), not a product: padding sampled outside a replayed kept set has log-prob -inf
         sampler_logps = torch.where(completion_mask.bool(), sampler_logps[:, :width], 0.0)
     return Rollout(rows, prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, lists,
-                   tokenizer.batch_decode(lists, skip_special_tokens=True), sampler_logps,
+                   completion_texts(tokenizer, lists), sampler_logps,
                    sampling_filter=replayed)
 
 

@@ -181,6 +181,21 @@ def test_each_prompt_is_tokenized_once_a_run(tiny, monkeypatch):
     assert calls == [prompts, ["44="]]
 
 
+def test_completion_texts_are_batch_decodes_each_distinct_completion_decoded_once(tiny, monkeypatch):
+    """The texts rewards read, in the rollout's order, equal the tokenizer's batch_decode (special tokens skipped)
+    however the completions repeat; a repeated completion is decoded once."""
+    _, tokenizer, _ = tiny
+    g = torch.Generator().manual_seed(0)
+    lists = [torch.randint(0, 12, (int(n),), generator=g).tolist() for n in torch.randint(0, 6, (40,), generator=g)]
+    lists += [lists[3], [], lists[0], lists[3], [0, 0]]
+    expected = tokenizer.batch_decode(lists, skip_special_tokens=True)
+    decoded, batch_decode = [], type(tokenizer).batch_decode
+    monkeypatch.setattr(type(tokenizer), "batch_decode", lambda self, seqs, **kw: decoded.extend(seqs) or
+                        batch_decode(self, seqs, **kw))
+    assert prompting.completion_texts(tokenizer, lists) == expected
+    assert len(decoded) == len({tuple(ids) for ids in lists}) < len(lists)
+
+
 def test_compiled_decode_step_samples_what_the_eager_one_does(tiny):
     """--compile_decode: torch.compile over the static cache (CUDA graphs on a GPU; inductor here)."""
     model, tokenizer, _ = tiny
