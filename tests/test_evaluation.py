@@ -166,17 +166,19 @@ FORMAT_REWARD = '''
 import rewards
 
 
-def number_only_reward(completions, **kwargs):
-    """The answer's format alone: 1.0 for a completion that is a bare number."""
-    return [float(rewards._text(c).strip().lstrip("-").isdigit()) for c in completions]
+def brevity_reward(completions, **kwargs):
+    """The answer's form alone: 1 for an empty completion, falling to 0 at 48 characters."""
+    return [max(0.0, 1 - len(rewards._text(c).strip()) / 48) for c in completions]
 '''
 
 
 def test_the_arithmetic_recipe_on_the_real_model(tmp_path, smollm2_dir):
     """recipes/arithmetic.py's pieces on SmolLM2: rloo's greedy evaluation of the starting model scores what
     transformers' generate scores (bench_learning.greedy_accuracy: the chat template, EOS and the verifier read
-    alike), and the first steps raise a reward that is easy to raise, the answer's format (the accuracy reward
-    weighted 0: measured, not trained on)."""
+    alike), and the first steps raise a reward that is easy to raise, the answer's brevity (the accuracy reward
+    weighted 0: measured, not trained on). Brevity scores every sample, so each group has a signal in fp32 and bf16
+    alike; a bare-number reward did not: SmolLM2 in fp32 (a CPU without AVX512-BF16) sampled no bare number in 8
+    steps of 256, where bf16 sampled a few."""
     import bench_learning
     from datasets import load_from_disk
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -186,7 +188,7 @@ def test_the_arithmetic_recipe_on_the_real_model(tmp_path, smollm2_dir):
     out = tmp_path / "run"
     result = subprocess.run(
         [sys.executable, "recipes/arithmetic.py", "--model", str(smollm2_dir), "--dataset", data_dir,
-         "--reward_funcs", "last_number_reward", f"{tmp_path / 'format.py'}:number_only_reward",
+         "--reward_funcs", "last_number_reward", f"{tmp_path / 'format.py'}:brevity_reward",
          "--reward_weights", "0", "1", "--num_generations", "8", "--per_device_train_batch_size", "32",
          "--max_completion_length", "12", "--learning_rate", "3e-5", "--max_steps", "8", "--logging_steps", "1",
          "--eval_steps", "100", "--output_dir", str(out)],
@@ -201,6 +203,6 @@ def test_the_arithmetic_recipe_on_the_real_model(tmp_path, smollm2_dir):
                                               bench_learning.native_bf16(), 12)
     # one problem may flip where two tokens tie in bf16; a sampled or differently prompted evaluation moves more
     assert abs(evals[0]["eval_rewards/last_number_reward/mean"] - accuracy) <= 1 / 32 + 1e-6, (evals[0], accuracy)
-    # measured: 0.0 -> 0.75 of the greedy completions a bare number after 8 steps (a flipped sign keeps it at 0)
-    before, after = (e["eval_rewards/number_only_reward/mean"] for e in evals)
-    assert after >= before + 0.3, (before, after)
+    # measured (fp32): greedy brevity 0.72 -> 0.95 after 8 steps, 11.3 -> 3.3 tokens (a flipped sign lengthens them)
+    before, after = (e["eval_rewards/brevity_reward/mean"] for e in evals)
+    assert after >= before + 0.1, (before, after)
