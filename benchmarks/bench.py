@@ -275,20 +275,30 @@ def summarize(name, steps, num_completions):
 
 def matmul_peak(dtype, device, threads=None, size=2048, seconds=0.5):
     """FLOP/s of a size x size matmul in dtype, repeated for `seconds` on `device` (a CPU: with
-    `threads` of torch's, the run's): the machine's practical limit, measured in the same run."""
+    `threads` of torch's, the run's): the machine's practical limit, measured in the same run. A
+    size whose one matmul would take over twice `seconds` at a 256^2 one's rate is halved (bf16 on
+    a CPU without AVX512-BF16 is emulated: one 2048^2 matmul took 53 s). -> (FLOP/s, its size)"""
     saved = torch.get_num_threads()
     torch.set_num_threads(threads or saved)
-    a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    a @ b
-    sync()
-    start, n = time.perf_counter(), 0
-    while time.perf_counter() - start < seconds:
+
+    def timed(n, until):
+        a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
         a @ b
-        n += 1
         sync()
+        start, count = time.perf_counter(), 0
+        while count == 0 or time.perf_counter() - start < until:
+            a @ b
+            count += 1
+            sync()
+        return 2 * n ** 3 * count / (time.perf_counter() - start)
+
+    small = timed(256, 0)
+    while size > 256 and 2 * size ** 3 / small > 2 * seconds:
+        size //= 2
+    flops = timed(size, seconds)
     torch.set_num_threads(saved)
-    return 2 * size ** 3 * n / (time.perf_counter() - start)
+    return flops, size
 
 
 def model_sizes(model_dir):
@@ -324,14 +334,15 @@ def phase_flops(sizes, prompt_tokens, completion_tokens, rows):
 def report_mfu(med, sizes, precision, device, threads, world_size):
     """Each phase's model FLOPs, achieved FLOP/s and their share of the measured matmul peak (MFU),
     and the step's seconds outside model compute (its time less every phase's FLOPs at the peak)."""
-    peaks = {name: matmul_peak(dtype, device, threads) for name, dtype in
-             (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+    measured = {name: matmul_peak(dtype, device, threads) for name, dtype in
+                (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+    peaks = {name: flops for name, (flops, _) in measured.items()}
     peak = peaks[precision]
     completion = med["completions/mean_length"] * med["rows"]
     flops = phase_flops(sizes, med["tokens"] - completion, completion, med["rows"])
-    print(f"  matmul peak, 2048^2 on {device.type}"
-          f"{f' ({threads} threads)' if device.type == 'cpu' else ''}: "
-          + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peaks.items())
+    print(f"  matmul peak on {device.type}{f' ({threads} threads)' if device.type == 'cpu' else ''}: "
+          + ", ".join(f"{k} {rate / 1e9:.1f} GFLOP/s ({size}^2)"
+                      for k, (rate, size) in measured.items())
           + f"; this run computes in {precision}")
     print(f"  {'phase':24s} {'GFLOP':>9s} {'GFLOP/s':>9s} {'MFU':>6s} {'at peak s':>10s}")
     at_peak = 0.0

@@ -14,9 +14,15 @@ GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def build_smollm2(path):
-    """Write the model and tokenizer to `path` (once: an existing build is reused). -> path."""
+    """Write the model and tokenizer to `path` (once: an existing build is reused). Built beside it
+    and renamed into place, so that a process building it at the same time (tests in parallel, a
+    shared temporary path) never reads a half-written one. -> path."""
+    path = str(path)
     if os.path.exists(os.path.join(path, "model.safetensors")):
-        return str(path)
+        return path
+    import shutil
+    import tempfile
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -30,9 +36,19 @@ def build_smollm2(path):
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(gguf_model.state_dict())
     model.generation_config = gguf_model.generation_config
-    model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(source, gguf_file=GGUF).save_pretrained(path)
-    return str(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    building = tempfile.mkdtemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".smollm2-")
+    model.save_pretrained(building)
+    AutoTokenizer.from_pretrained(source, gguf_file=GGUF).save_pretrained(building)
+    if os.path.isdir(path) and not os.listdir(path):
+        os.rmdir(path)  # an empty directory made for it (tmp_path_factory.mktemp)
+    try:
+        os.rename(building, path)
+    except OSError:  # another process's build got there first, or something else is there
+        shutil.rmtree(building)
+        if not os.path.exists(os.path.join(path, "model.safetensors")):
+            raise SystemExit(f"error: {path} exists and is not a SmolLM2 build; remove it") from None
+    return path
 
 
 if __name__ == "__main__":
