@@ -340,7 +340,8 @@ def report_mfu(med, sizes, precision, device, threads, world_size):
     peak = peaks[precision]
     completion = med["completions/mean_length"] * med["rows"]
     flops = phase_flops(sizes, med["tokens"] - completion, completion, med["rows"])
-    print(f"  matmul peak on {device.type}{f' ({threads} threads)' if device.type == 'cpu' else ''}: "
+    where = f"{device.type}{f' ({threads} threads)' if device.type == 'cpu' else ''}"
+    print(f"  matmul peak on {where}: "
           + ", ".join(f"{k} {rate / 1e9:.1f} GFLOP/s ({size}^2)"
                       for k, (rate, size) in measured.items())
           + f"; this run computes in {precision}")

@@ -47,7 +47,8 @@ def build_smollm2(path):
     except OSError:  # another process's build got there first, or something else is there
         shutil.rmtree(building)
         if not os.path.exists(os.path.join(path, "model.safetensors")):
-            raise SystemExit(f"error: {path} exists and is not a SmolLM2 build; remove it") from None
+            raise SystemExit(f"error: {path} exists and is not a SmolLM2 build; remove it") \
+                from None
     return path
 
 
