@@ -125,12 +125,12 @@ class TransferCounter:
         self.shut += 1
 
 
-def server_engine(monkeypatch, base_url, model=None):
+def server_engine(monkeypatch, base_url, model=None, timeout=60.0):
     """ServerEngine against base_url as a GPU trainer would build it, vLLM's transfer engine counted."""
     made = []
     monkeypatch.setattr(vllm_server, "weight_transfer",
                         lambda backend, *args: made.append(TransferCounter(backend)) or made[-1])
-    cfg = SimpleNamespace(vllm_server_base_url=base_url, vllm_server_timeout=60.0, vllm_weight_sync="auto",
+    cfg = SimpleNamespace(vllm_server_base_url=base_url, vllm_server_timeout=timeout, vllm_weight_sync="auto",
                           trust_remote_code=False, output_dir="out")
     return vllm_server.ServerEngine(cfg, model, CUDA), made
 
@@ -240,7 +240,8 @@ def test_real_vllm_server_reports_ipc_and_takes_the_shutdown(monkeypatch, chat_m
     proc = start_server(chat_model_dir, port, extra=("--weight-transfer-config", '{"backend": "ipc"}'))
     try:
         model = AutoModelForCausalLM.from_pretrained(chat_model_dir)  # the model served: the check passes
-        engine, made = server_engine(monkeypatch, f"http://127.0.0.1:{port}", model)  # waits for /health
+        # waits for /health: 240 s, as the other tests starting a real server (one took over 60 s beside another)
+        engine, made = server_engine(monkeypatch, f"http://127.0.0.1:{port}", model, timeout=240.0)
         assert [t.backend for t in made] == ["ipc"]
         engine.close()
         assert made[0].shut == 1
