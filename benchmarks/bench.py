@@ -98,8 +98,7 @@ def task_files(c):
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from smollm2 import build_smollm2
 
-    return build_smollm2(os.path.join(tempfile.gettempdir(),
-                                      "rloo-bench-smollm2")), ADDITION, "last_number_reward"
+    return build_smollm2(), ADDITION, "last_number_reward"
 
 
 def build_model(path, shape, num_rows=2048, seed=0):

@@ -50,7 +50,7 @@ def built_smollm2():
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     try:
         from smollm2 import build_smollm2
-        return build_smollm2(os.path.join(tempfile.gettempdir(), "rloo-bench-smollm2"))
+        return build_smollm2()
     except SystemExit:
         return None
 

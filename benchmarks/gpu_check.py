@@ -258,7 +258,7 @@ def recipe_command(args, out):
     --tiny: two steps of 8 completions, evaluated on 16 problems after each."""
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from smollm2 import build_smollm2
-    model = build_smollm2(out + "-smollm2")
+    model = build_smollm2()  # the benchmarks' shared build
     data = arithmetic.write_data(out + "-data", num_test=16 if args.tiny else 500)
     tiny = ["--max_steps", "2", "--eval_steps", "1", "--num_generations", "4",
             "--per_device_train_batch_size", "8"] if args.tiny else []

@@ -9,11 +9,13 @@ from its config is saved as an ordinary Hugging Face directory that from_pretrai
 import importlib.util
 import os
 import sys
+import tempfile
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SHARED = os.path.join(tempfile.gettempdir(), "rloo-bench-smollm2")  # the benchmarks' one build
 
 
-def build_smollm2(path):
+def build_smollm2(path=SHARED):
     """Write the model and tokenizer to `path` (once: an existing build is reused). Built beside it
     and renamed into place, so that a process building it at the same time (tests in parallel, a
     shared temporary path) never reads a half-written one. -> path."""
@@ -21,7 +23,6 @@ def build_smollm2(path):
     if os.path.exists(os.path.join(path, "model.safetensors")):
         return path
     import shutil
-    import tempfile
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
