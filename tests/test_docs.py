@@ -224,7 +224,8 @@ def test_the_worked_example_trains_and_keeps_the_house_rules(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert logged[-1]["reward"] > logged[0]["reward"], logged
-    rules = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_shape.py",
+    rules = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+                            "tests/test_shape.py",
                             "tests/test_docs.py::test_the_advantage_estimators_are_the_table_and_the_functions"],
                            capture_output=True, text=True, cwd=copy, timeout=600)
     assert rules.returncode == 0, rules.stdout[-3000:]
@@ -273,7 +274,8 @@ def test_the_curriculum_example_orders_the_prompts_and_trains(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert logged[-1]["reward"] > logged[0]["reward"] + 0.2, logged  # 0.09 -> 0.55 here
-    rules = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_shape.py"],
+    rules = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+                            "tests/test_shape.py"],
                            capture_output=True, text=True, cwd=copy, timeout=600)
     assert rules.returncode == 0, rules.stdout[-3000:]
 
@@ -306,7 +308,8 @@ def trains_and_keeps_the_house_rules(copy, out, flags, script):
     assert run.returncode == 0, run.stderr[-3000:]
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert logged[-1]["reward"] > logged[0]["reward"] + 0.2, logged
-    rules = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_shape.py"],
+    rules = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+                            "tests/test_shape.py"],
                            capture_output=True, text=True, cwd=copy, timeout=600)
     assert rules.returncode == 0, rules.stdout[-3000:]
 
