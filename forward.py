@@ -82,12 +82,44 @@ def forward_logps(model, batch, rows, temperature, chunked=None, router_aux=Fals
     router_aux: also the MoE router's load-balancing loss (the model computes it from its router
     logits, padding excluded). pad_to: the sequence is padded on the right (masked) to a multiple
     of it, which changes no log-prob. padding_free: the rows packed into one (packed_logps).
+    Rows that repeat another's prompt and completion tokens (a group's samples that agree) go
+    through the model once (distinct_rows): the same numbers, and autograd sums each copy's
+    gradient into the one forward's.
     -> logps [b, T], entropy [b, T], T, aux loss or None, boundary flips (scored)"""
+    # not with pixel inputs (equal tokens, other images) nor a router loss (over every token)
+    distinct = None if router_aux or batch.pixel_inputs is not None else distinct_rows(batch, rows)
+    if distinct is not None:
+        rows, copies = distinct
     if padding_free and batch.pixel_inputs is None:
-        return packed_logps(model, batch, rows, temperature, chunked, router_aux)
-    if padding_free:
-        warnings.warn("--padding_free: vision-language rows (pixel inputs) cannot be packed; "
-                      "their forward runs padded")
+        per_token, T, aux = packed_logps(model, batch, rows, temperature, chunked, router_aux)
+    else:
+        if padding_free:
+            warnings.warn("--padding_free: vision-language rows (pixel inputs) cannot be packed; "
+                          "their forward runs padded")
+        per_token, T, aux = padded_logps(model, batch, rows, temperature, chunked, router_aux,
+                                         pad_to)
+    return scored(per_token if distinct is None else per_token[copies], T, aux)
+
+
+def distinct_rows(batch, rows):
+    """Where rows of batch[rows] (a slice or index tensor) repeat each other's prompt and
+    completion tokens and masks: (a row of each distinct sequence [u], batch indices sorted by
+    their tokens, so that equal prompts stay adjacent for packing's sharing; each row's place
+    among them [b]). None where all differ. One host sync, for u."""
+    index = torch.arange(len(batch.prompt_ids), device=batch.prompt_ids.device)[rows]  # [b]
+    key = torch.cat([batch.prompt_ids[index], batch.prompt_mask[index].long(),
+                     batch.completion_ids[index], batch.completion_mask[index].long()], -1)
+    unique, copies = torch.unique(key, dim=0, return_inverse=True)  # [u, W], [b]
+    if len(unique) == len(index):
+        return None
+    order = torch.arange(len(index), device=index.device)
+    first = torch.full((len(unique),), len(index), device=index.device)
+    return index[first.scatter_reduce(0, copies, order, "amin")], copies
+
+
+def padded_logps(model, batch, rows, temperature, chunked, router_aux, pad_to):
+    """forward_logps's rows, left-padded prompts then right-padded completions: -> per-token
+    [b, T, C] (LogpsHead.score), T, aux loss or None"""
     prompt_mask, completion_mask = batch.prompt_mask[rows], batch.completion_mask[rows]
     prompt_len, completion_len = int(prompt_mask.sum(-1).max()), int(completion_mask.sum(-1).max())
     width = completion_len  # completion positions in the forward
@@ -120,8 +152,7 @@ def forward_logps(model, batch, rows, temperature, chunked=None, router_aux=Fals
                     logits_to_keep=width + 1, use_cache=False, **pixel_inputs)
     logits = out.logits
     per_token = logits if chunked else head.score(logits[:, :-1], completion_ids)  # [b, T, 2]
-    per_token = per_token[:, :completion_len]
-    return scored(per_token, completion_len, out.aux_loss if router_aux else None)
+    return per_token[:, :completion_len], completion_len, out.aux_loss if router_aux else None
 
 
 def scored(per_token, T, aux):
@@ -137,7 +168,7 @@ def packed_logps(model, batch, rows, temperature, chunked=None, router_aux=False
     """forward_logps with no padding token in the model: batch[rows] packed into one row whose
     positions restart at each sequence, attention within each (packing.py); the head runs on the
     completion tokens' predicting positions only, given to the model as an index (logits_to_keep).
-    The same returns, zero on padding. router_aux: the row has no padding, so the router's loss
+    -> padded_logps's, zero on padding. router_aux: the row has no padding, so the router's loss
     is over real tokens."""
     completion_mask = batch.completion_mask[rows]
     completion_len = int(completion_mask.sum(-1).max())
@@ -161,7 +192,7 @@ def packed_logps(model, batch, rows, temperature, chunked=None, router_aux=False
     logits = out.logits[0]  # [M, 2] from LogpsHead, else [M, V]
     per_token = logits if chunked else head.score(logits, packed.targets)  # [M, 2]
     per_token = packing.unpack(per_token, packed)  # [b, T, 2]
-    return scored(per_token, completion_len, out.aux_loss if router_aux else None)
+    return per_token, completion_len, out.aux_loss if router_aux else None
 
 
 # fp32 elements of one chunk's logits in LogpsHead on a CPU (16 MB); a GPU takes GPU_HEAD_SHARE of

@@ -22,8 +22,9 @@ memory. Run from the repository's root, as every command of the README:
                                                    # 128 tokens): a gpu_check.py variant
 
 Both trainers load the same model directory (built from a config with a fixed seed and saved once),
-the same prompts, G, batch, max_completion_length, beta=0.05, temperature 1, fp32, constant learning
-rate, one optimizer step per generation batch. The vocabulary has 256 tokens so a random model
+the same prompts, G, batch, max_completion_length, beta=0.05 (the embedded config: its default's
+0.02 and learning rate 1e-3, so both learn), temperature 1, fp32, constant learning rate, one
+optimizer step per generation batch. The vocabulary has 256 tokens so a random model
 rarely samples EOS and completions run close to max_completion_length. The first 3 steps are warm-up
 and dropped.
 
@@ -68,10 +69,12 @@ CONFIGS = {
     "overhead": dict(model=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2,
                                 num_attention_heads=1),
                      num_generations=4, batch=16, max_completion_length=16),
-    # the embedded default's model and batch (data.embedded_task, config.EMBEDDED_PRESET)
+    # the embedded default's model, batch and learning rate and beta (data.embedded_task,
+    # config.EMBEDDED_PRESET): both trainers learn the task as `python train.py` does
     "embedded": dict(model=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2,
                                 num_attention_heads=1, vocab_size=12),
-                     num_generations=8, batch=128, max_completion_length=5),
+                     num_generations=8, batch=128, max_completion_length=5, learning_rate=1e-3,
+                     beta=0.02),
     "compute": dict(model=dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
                                num_attention_heads=4),
                     num_generations=8, batch=64, max_completion_length=64),
@@ -140,8 +143,8 @@ def run_rloo(model_dir, data, reward, c, steps, extra):
              "--reward_funcs": reward, "--num_generations": c["num_generations"],
              "--per_device_train_batch_size": micro,
              "--gradient_accumulation_steps": c["batch"] // micro,
-             "--max_completion_length": c["max_completion_length"], "--beta": 0.05,
-             "--learning_rate": 1e-4, "--lr_scheduler_type": "constant",
+             "--max_completion_length": c["max_completion_length"], "--beta": c.get("beta", 0.05),
+             "--learning_rate": c.get("learning_rate", 1e-4), "--lr_scheduler_type": "constant",
              "--bf16": c.get("bf16", False), "--gradient_checkpointing": False,
              "--max_steps": steps, "--logging_steps": 1, "--output_dir": out,
              # no checkpoint (the final model still is): 6 GB of weights and optimizer for 0.5B
@@ -169,8 +172,9 @@ def run_trl(model_dir, data, reward, c, steps):
     args = RLOOConfig(output_dir=out, per_device_train_batch_size=micro,
                       gradient_accumulation_steps=c["batch"] // micro,
                       num_generations=c["num_generations"],
-                      max_completion_length=c["max_completion_length"], beta=0.05,
-                      learning_rate=1e-4, lr_scheduler_type="constant", bf16=c.get("bf16", False),
+                      max_completion_length=c["max_completion_length"], beta=c.get("beta", 0.05),
+                      learning_rate=c.get("learning_rate", 1e-4), lr_scheduler_type="constant",
+                      bf16=c.get("bf16", False),
                       gradient_checkpointing=False, max_steps=steps, logging_steps=1,
                       save_strategy="no", report_to="none", use_cpu=not torch.cuda.is_available(),
                       disable_tqdm=True, seed=42)

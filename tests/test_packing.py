@@ -130,6 +130,29 @@ def test_a_prompts_completions_share_it_in_the_packed_row_and_equal_padded(kind)
                                                                                   batch.completion_mask.sum())
 
 
+@pytest.mark.parametrize("padding_free", [True, False])
+def test_rows_that_repeat_go_through_the_model_once_with_each_row_s_numbers_and_gradients(padding_free,
+                                                                                         monkeypatch):
+    """A group's samples that agree (equal prompt and completion tokens and masks) are one sequence in the
+    forward: every row's log-probs and entropy, and the gradient of a sum weighting each row differently, as when
+    each row goes through alone. A row with the same tokens and one fewer in its mask stays a row of its own."""
+    model, batch = tiny("qwen2"), grouped_batch()
+    for copy_, of in ((1, 0), (2, 0), (3, 0), (5, 4)):  # rows 0-3 share a prompt, as do 4-7
+        batch.completion_ids[copy_], batch.completion_mask[copy_] = batch.completion_ids[of], batch.completion_mask[of]
+    batch.completion_mask[3, batch.completion_mask[3].sum() - 1] = 0  # row 3: one token shorter
+    calls = []
+    model.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape), with_kwargs=True)
+    merged = logps_and_grads(model, batch, padding_free)
+    monkeypatch.setattr(forward, "distinct_rows", lambda batch, rows: None)
+    alone = logps_and_grads(model, batch, padding_free)
+    assert_same(merged, alone)
+    assert merged[0][1:3].eq(merged[0][0]).all() and not merged[0][3].eq(merged[0][0]).all()
+    if padding_free:  # the row is shorter by the copies' completions (their prompt is shared already)
+        assert calls[1][1] - calls[0][1] == int(batch.completion_mask[[1, 2, 5]].sum()) > 0
+    else:
+        assert (calls[0][0], calls[1][0]) == (9, 12)
+
+
 def test_a_prompt_is_shared_only_where_that_saves_work():
     """The shared unit's attention mask costs its n^2 scores: with long completions and a short prompt the rows
     stay sequences of their own (no layouts); with short ones they share."""
