@@ -203,6 +203,10 @@ def test_the_arithmetic_recipe_on_the_real_model(tmp_path, smollm2_dir):
                                               bench_learning.native_bf16(), 12)
     # one problem may flip where two tokens tie in bf16; a sampled or differently prompted evaluation moves more
     assert abs(evals[0]["eval_rewards/last_number_reward/mean"] - accuracy) <= 1 / 32 + 1e-6, (evals[0], accuracy)
-    # measured (fp32): greedy brevity 0.72 -> 0.95 after 8 steps, 11.3 -> 3.3 tokens (a flipped sign lengthens them)
+    # The guard is the training reward, 256 samples a step: measured on 32 greedy problems after 8 steps the gain is
+    # seed noise in bf16 (an AMX CPU: +0.10, +0.22, +0.09 over seeds 0-2; fp32 +0.23), in training brevity first step
+    # -> last two +0.24, +0.44, +0.39 (fp32 +0.32). A flipped sign lengthens the completions: both fall.
+    train = [r["rewards/brevity_reward/mean"] for r in rows if "loss" in r]
+    assert len(train) == 8 and (train[-1] + train[-2]) / 2 >= train[0] + 0.15, train
     before, after = (e["eval_rewards/brevity_reward/mean"] for e in evals)
-    assert after >= before + 0.1, (before, after)
+    assert after > before, (before, after)
