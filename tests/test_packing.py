@@ -130,13 +130,16 @@ def test_a_prompts_completions_share_it_in_the_packed_row_and_equal_padded(kind)
                                                                                   batch.completion_mask.sum())
 
 
-@pytest.mark.parametrize("padding_free", [True, False])
-def test_rows_that_repeat_go_through_the_model_once_with_each_row_s_numbers_and_gradients(padding_free,
+@pytest.mark.parametrize("padding_free,collide", [(True, False), (False, False), (False, True)])
+def test_rows_that_repeat_go_through_the_model_once_with_each_row_s_numbers_and_gradients(padding_free, collide,
                                                                                          monkeypatch):
     """A group's samples that agree (equal prompt and completion tokens and masks) are one sequence in the
     forward: every row's log-probs and entropy, and the gradient of a sum weighting each row differently, as when
-    each row goes through alone. A row with the same tokens and one fewer in its mask stays a row of its own."""
+    each row goes through alone. A row with the same tokens and one fewer in its mask stays a row of its own.
+    collide: every row hashes alike, so the rows themselves must tell them apart."""
     model, batch = tiny("qwen2"), grouped_batch()
+    if collide:
+        monkeypatch.setattr(forward, "row_hashes", lambda key: torch.zeros(len(key), dtype=torch.long))
     for copy_, of in ((1, 0), (2, 0), (3, 0), (5, 4)):  # rows 0-3 share a prompt, as do 4-7
         batch.completion_ids[copy_], batch.completion_mask[copy_] = batch.completion_ids[of], batch.completion_mask[of]
     batch.completion_mask[3, batch.completion_mask[3].sum() - 1] = 0  # row 3: one token shorter
