@@ -275,15 +275,17 @@ class LogpsHead(torch.nn.Module):
     def chunk(self, hidden, targets):
         return self.score(self.lm_head(hidden), targets)
 
-    def score(self, logits, targets):
+    def score(self, logits, targets, entropy=True):
         """logits [b, t, V] or [n, V] -> [b, t, C] or [n, C] (log pi_T, entropy) of the targets;
-        replayed: C = 3, the third 1 where the kept set dropped the target (a boundary flip)."""
+        replayed: C = 3, the third 1 where the kept set dropped the target (a boundary flip).
+        entropy=False: zeros in its place (it carries no gradient)."""
         if self.suppressed is not None:
             logits = logits.index_fill(-1, self.suppressed, -1e30)
         if logits.dim() == 2:
-            return self.score(logits[None], targets[None])[0]
+            return self.score(logits[None], targets[None], entropy)[0]
         if self.replayed is None:
-            return torch.stack(token_logps_and_entropy(logits, targets, self.temperature), -1)
+            return torch.stack(token_logps_and_entropy(logits, targets, self.temperature,
+                                                       entropy=entropy), -1)
         # z / T over the kept set; -1e30, not -inf: a finite entropy
         logits = logits.float() / self.temperature
         with torch.no_grad():
@@ -294,13 +296,15 @@ class LogpsHead(torch.nn.Module):
             flipped = ~kept.gather(-1, targets[..., None])
             kept.scatter_(-1, targets[..., None], True)
         logits = logits.masked_fill(~kept, -1e30)
-        return torch.stack([*token_logps_and_entropy(logits, targets, 1.0), flipped[..., 0]], -1)
+        return torch.stack([*token_logps_and_entropy(logits, targets, 1.0, entropy=entropy),
+                            flipped[..., 0]], -1)
 
 
 class ChunkedHead(torch.autograd.Function):
     """score(hidden @ weight.T, targets) over chunks of `tokens` rows, keeping no logits: backward
-    recomputes each chunk and sums the weight's gradient in fp32, rounded to its dtype once (a bf16
-    sum over hundreds of chunks doubled the gradient's error). hidden [n, H], weight [V, H]."""
+    recomputes each chunk's log-probs (not the entropy: a metric, no gradient) and sums the
+    weight's gradient in fp32, rounded to its dtype once (a bf16 sum over hundreds of chunks
+    doubled the gradient's error). hidden [n, H], weight [V, H]."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, tokens, score):
@@ -320,7 +324,7 @@ class ChunkedHead(torch.autograd.Function):
         for rows in micro_batches(len(hidden), ctx.tokens):
             logits = F.linear(hidden[rows], weight).requires_grad_()  # [n, V], no graph behind
             with torch.enable_grad():
-                out = ctx.score(logits, targets[rows])
+                out = ctx.score(logits, targets[rows], entropy=False)  # no gradient through it
                 (grad_logits,) = torch.autograd.grad(out, logits, grad_out[rows])
             grad_hidden[rows] = grad_logits @ weight  # d/dh of h W^T
             if trained:  # d/dW of h W^T, summed into fp32 without a [V, H] temporary per chunk

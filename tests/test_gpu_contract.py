@@ -192,6 +192,33 @@ def test_the_chunked_heads_backward_allocates_one_vocab_sized_gradient_or_none_w
     assert hidden.grad is not None and (head.weight.grad is not None) == trained
 
 
+def test_the_chunked_heads_backward_recomputes_log_probs_not_the_entropy(monkeypatch):
+    """The entropy is a metric (no gradient): the head's backward, which recomputes each chunk's logits, scores the
+    log-probs only. Counted as ops that make a new [n, V] tensor: 8 a chunk (the logits, the logsumexp's softmax
+    gradient, the gather's, their sum); recomputing the entropy too made 10, two passes over the vocabulary each
+    chunk, on a GPU a memory-bound kernel over V = 152k each."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    V, H, b, T = 512, 16, 2, 32
+    monkeypatch.setattr(forward, "HEAD_CHUNK_ELEMENTS", 8 * V)  # 8 tokens a chunk: 8 chunks
+    logps = forward.LogpsHead(torch.randint(0, V, (b, T)), 1.0)
+    logps.lm_head = torch.nn.Linear(H, V, bias=False)
+    out = logps(torch.randn(b, T + 1, H, requires_grad=True))
+    assert out[..., 1].gt(0).all()  # the forward still reports the entropy
+
+    class VocabWide(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            if isinstance(result, torch.Tensor) and result.shape[-2:] == (8, V) and not func.is_view:
+                VocabWide.count += 1
+            return result
+
+    with VocabWide():
+        out[..., 0].sum().backward()
+    assert VocabWide.count == 8 * 8, VocabWide.count
+
+
 def test_an_fp32_head_is_gathered_once_per_micro_batch_whatever_the_chunk_count(process_group, monkeypatch):
     """--cast_lm_head_to_fp32 makes the head an FSDP2 unit of its own: LogpsHead calls it once per micro-batch, so it
     is gathered once (kept to backward, as the root), not in forward and again in backward for every chunk (64
