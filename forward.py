@@ -115,20 +115,24 @@ def distinct_rows(batch, rows):
     if int(copies.max()) + 1 == len(index):  # distinct hashes: distinct rows
         return None
     order = torch.arange(len(index), device=index.device)
-    first = order.new_full((len(index),), len(index)).scatter_reduce(0, copies, order, "amin")
-    if bool((key != key[first[copies]]).any()):  # two different rows hashed alike
-        copies = torch.unique(key, dim=0, return_inverse=True)[1]
-        first = order.new_full((len(index),), len(index)).scatter_reduce(0, copies, order, "amin")
+
+    def first_of(copies):  # [b]: the first row of each row's class
+        return order.new_full((len(index),), len(index)).scatter_reduce(0, copies, order,
+                                                                        "amin")[copies]
+
+    first = first_of(copies)
+    if bool((key != key[first]).any()):  # two different rows hashed alike
+        first = first_of(torch.unique(key, dim=0, return_inverse=True)[1])
     is_first = torch.zeros(len(index), dtype=torch.bool, device=index.device)
-    is_first[first[copies]] = True
-    return index[is_first], (is_first.cumsum(0) - 1)[first[copies]]
+    is_first[first] = True
+    return index[is_first], (is_first.cumsum(0) - 1)[first]
 
 
 def row_hashes(key):
     """[b, W] integer rows -> [b] int64: each column weighted by a fixed odd multiplier (int64
     products and sums wrap around), so equal rows hash alike and different ones rarely do."""
-    weights = torch.arange(key.shape[1], device=key.device) * 2654435761 + 1  # Knuth's multiplier
-    return (key * (weights | 1)).sum(-1)
+    odd = torch.arange(key.shape[1], device=key.device) * 2 + 1
+    return (key * (odd * 2654435761)).sum(-1)  # Knuth's multiplicative hash constant
 
 
 def padded_logps(model, batch, rows, temperature, chunked, router_aux, pad_to):

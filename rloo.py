@@ -34,9 +34,9 @@ def token_logps_and_entropy(logits, token_ids, temperature=1.0, chunk_elements=2
         return picked - torch.cat(logsumexp), torch.zeros_like(picked)
     with torch.no_grad():
         # H = logsumexp(z) - sum_v softmax(z)_v z_v
-        entropy = [lse - (torch.softmax(z, -1) * z).sum(-1)
-                   for lse, z in zip(logsumexp, map(scaled, chunks))]
-    return picked - torch.cat(logsumexp), torch.cat(entropy)
+        entropies = [lse - (torch.softmax(z, -1) * z).sum(-1)
+                     for lse, z in zip(logsumexp, map(scaled, chunks))]
+    return picked - torch.cat(logsumexp), torch.cat(entropies)
 
 
 def sequence_kl(logps, ref_logps, mask, estimator="k1"):
