@@ -5,13 +5,13 @@ reward function is called as
     f(prompts=[...], completions=[...], completion_ids=[...], **dataset_columns, step=...,
       trainer_state=..., log_extra=..., log_metric=...)
 with one entry per completion (each prompt repeated G times) and returns a list of float | None of
-the same length. None means "does not apply to this completion". Multi-turn runs add
-`environments`, the completions' environment objects (environments.py). How the functions are
-called (each on its own copy of the arguments, async ones concurrently, within their time) is
-reward_calls.py. As in TRL, trainer_state is a transformers.TrainerState (global_step, max_steps,
-epoch, ...), log_extra(column, values) adds a column of one value per completion to the
-completions table, and log_metric(name, value) logs a scalar: the mean over the step's calls on
-all ranks.
+the same length. None means "does not apply to this completion". Multi-turn runs add `environments`,
+the completions' environment objects (options/environments.py). How the functions are called (each
+on its own copy of the arguments, async ones concurrently, within their time) is
+step/reward_calls.py. As in TRL, trainer_state is a transformers.TrainerState (global_step,
+max_steps, epoch, ...), log_extra(column, values) adds a column of one value per completion to the
+completions table, and log_metric(name, value) logs a scalar: the mean over the step's calls on all
+ranks.
 """
 
 import importlib
@@ -24,13 +24,12 @@ import threading
 import torch
 from transformers import TrainerState
 
-import distributed
-import user_code
-from config import fail
-from metrics import TABLE_COLUMNS, trainer_metric
-from models import load_reward_model, prepare_model
-from reward_calls import RewardError, compute_rewards, reward_name, user_error
-from prompting import is_conversational, repeat_each
+from plumbing import distributed, user_code
+from plumbing.config import fail
+from step.metrics import TABLE_COLUMNS, trainer_metric
+from plumbing.models import load_reward_model, prepare_model
+from step.reward_calls import RewardError, compute_rewards, reward_name, user_error
+from step.prompting import is_conversational, repeat_each
 from rloo import combine_rewards
 
 
@@ -180,11 +179,12 @@ def reward_module(source, spec):
 
 
 def shadowed(module, source, name):
-    """Why a module lacks the function: it is one of rloo's own (data, config, ...), found before
-    a file of the same name in the current directory."""
+    """Why a module lacks the function: it is one of rloo's own (rewards, rollout, a folder's
+    module ...), found before a file of the same name in the current directory."""
     local = source.replace(".", os.sep) + ".py"
-    ours = os.path.dirname(os.path.abspath(getattr(module, "__file__", None) or "")) == PROJECT
-    if not ours or not os.path.isfile(local):
+    path = os.path.abspath(getattr(module, "__file__", None) or "")
+    if not (path.startswith(PROJECT + os.sep) and os.path.isfile(local)) or \
+            os.path.samefile(path, local):
         return ""
     return (f": {source!r} is rloo's own {os.path.basename(module.__file__)}, which shadows the "
             f"{local} here; pass {local}:{name} (a path) or rename the file")

@@ -3,8 +3,8 @@ FSDP2-sharded; HF `generate` for vision-language models). Besides the tokens it 
 sampler's log-probs of the temperature-scaled distribution, log softmax(logits / T)[o_t]; in fp32
 they are the KL's "old" log-probs (paper §3: r = R - beta * KL), so no scoring pass is needed
 (docs/coming-from-trl.md 'Where we differ from TRL, on purpose'). The training forward whose
-log-probs must agree with these is forward.py; the sampling distribution sampler.py; vLLM
-generation vllm_rollout.py.
+log-probs must agree with these is step/forward.py; the sampling distribution step/sampler.py; vLLM
+generation options/vllm_rollout.py.
 """
 import weakref
 from contextlib import contextmanager
@@ -18,14 +18,14 @@ from transformers import (DynamicCache, GenerationConfig, LogitsProcessor, Logit
 from transformers.cache_utils import DynamicLayer, StaticLayer
 from transformers.generation.logits_process import SuppressTokensLogitsProcessor
 
-import stack
-from batches import Rollout
-from forward import micro_batches
-from metrics import note_memory
-from prompting import (completion_texts, eos_token_ids, image_token_ids, pad, pixel_inputs_for,
-                       prompt_tensors, row_images, tokenize_prompts)
-from sampler_rules import sampling_filter
-from sampler import draw, row_keys, sampling_processors, with_bad_word_ids
+from plumbing import stack
+from step.batches import Rollout
+from step.forward import micro_batches
+from step.metrics import note_memory
+from step.prompting import (completion_texts, eos_token_ids, image_token_ids, pad, pixel_inputs_for,
+                            prompt_tensors, row_images, tokenize_prompts)
+from step.sampler_rules import sampling_filter
+from step.sampler import draw, row_keys, sampling_processors, with_bad_word_ids
 
 
 class DecodeLoop:

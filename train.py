@@ -6,8 +6,8 @@ Run the embedded default (a tiny model learns a toy task on CPU in under a minut
 A real model and dataset (one node, 8 GPUs; FSDP2 shards policy and reference):
     torchrun --standalone --nproc_per_node=8 train.py --model Qwen/Qwen2-0.5B-Instruct \\
         --dataset trl-lib/DeepMath-103K --reward_funcs accuracy_reward --output_dir runs/deepmath
-Every flag: python train.py --help (config.py). Export a checkpoint: python train.py export CKPT
-[OUT].
+Every flag: python train.py --help (plumbing/config.py). Export a checkpoint: python train.py export
+CKPT [OUT].
 
 One step (Ahmadian et al. 2024, §3): sample G completions for each of P prompts per rank -> score
 them -> shape the reward with the sequence KL to the reference, r = R - beta * kl -> leave-one-out
@@ -15,11 +15,12 @@ advantages A_i = r_i - mean_{j != i} r_j -> mu optimizer steps on L = -mean_i mi
 clip(rho_i) A_i), rho_i = exp(s_i - s_i_old).
 
 The math is rloo.py; this file says when it runs and on what. Everything else lives where its
-concept does (README 'Files'): config.py (flags), data.py (prompts), models.py (loading, FSDP2),
-lora.py, rollout.py (our decode loop) and vllm_rollout.py, batches.py (the Rollout batch and where
-a step's batch comes from), forward.py (the training forward), rewards.py, metrics.py, logs.py,
-checkpoint.py, process.py (what a run borrows from its process), stack.py (the versions and device).
-From Python: train.main([...flags]) -> Result (README 'Sweeps').
+concept does (README 'Files'): plumbing/config.py (flags), step/data.py (prompts),
+plumbing/models.py (loading, FSDP2), options/lora.py, rollout.py (our decode loop) and
+options/vllm_rollout.py, step/batches.py (the Rollout batch and where a step's batch comes from),
+step/forward.py (the training forward), rewards.py, step/metrics.py, plumbing/logs.py,
+plumbing/checkpoint.py, plumbing/process.py (what a run borrows from its process), plumbing/stack.py
+(the versions and device). From Python: train.main([...flags]) -> Result (README 'Sweeps').
 """
 
 import dataclasses
@@ -35,31 +36,19 @@ logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 import torch  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 
-import checkpoint  # noqa: E402
-import data  # noqa: E402
-import directories  # noqa: E402
-import distributed  # noqa: E402
-import environments  # noqa: E402
-import forward  # noqa: E402
-import lora  # noqa: E402
-import models  # noqa: E402
-import packing  # noqa: E402
-import process  # noqa: E402
-import prompting  # noqa: E402
 import rollout  # noqa: E402
-import sampler  # noqa: E402
-import sampler_rules  # noqa: E402
-import schedule  # noqa: E402
-import stack  # noqa: E402
-import vllm_rollout  # noqa: E402
-from batches import BatchSource, Scores  # noqa: E402
-from checks import check_config  # noqa: E402
-from config import EMBEDDED_PRESET, Config, Failed, fail, parse_config  # noqa: E402, F401
-from evaluation import Clock, eval_config, evaluate  # noqa: E402
-from health import RunHealth  # noqa: E402
-from logs import Logger  # noqa: E402
-from metrics import (batch_metrics, completions_table, loss_sums,  # noqa: E402
-                     sampling_sums, show_samples, step_metrics, timed)
+from options import environments, lora, packing, vllm_rollout  # noqa: E402
+from plumbing import (checkpoint, directories, distributed, models, process, schedule,  # noqa: E402
+                      stack)
+from step import data, forward, prompting, sampler, sampler_rules  # noqa: E402
+from step.batches import BatchSource, Scores  # noqa: E402
+from plumbing.checks import check_config  # noqa: E402
+from plumbing.config import EMBEDDED_PRESET, Config, Failed, fail, parse_config  # noqa: E402, F401
+from options.evaluation import Clock, eval_config, evaluate  # noqa: E402
+from plumbing.health import RunHealth  # noqa: E402
+from plumbing.logs import Logger  # noqa: E402
+from step.metrics import (batch_metrics, completions_table, loss_sums,  # noqa: E402
+                          sampling_sums, show_samples, step_metrics, timed)
 from rewards import load_rewards  # noqa: E402
 from rloo import (estimate_advantages, has_baseline,  # noqa: E402
                   normalize_advantages, rloo_loss, sequence_kl)

@@ -54,11 +54,11 @@ from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E40
 
 import bench_compare  # noqa: E402
 import bench_shapes  # noqa: E402
-import distributed  # noqa: E402
-import metrics  # noqa: E402
 import rewards  # noqa: E402
 import train  # noqa: E402
-import vllm_server  # noqa: E402
+from options import vllm_server  # noqa: E402
+from plumbing import distributed  # noqa: E402
+from step import metrics  # noqa: E402
 
 # Qwen2.5-0.5B's shape (tied embeddings, grouped-query attention); its weights are random here
 QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,

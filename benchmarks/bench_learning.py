@@ -28,7 +28,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "recipes")]  # the trainer's files, one
 
 import arithmetic  # noqa: E402
 import rewards  # noqa: E402
-import stack  # noqa: E402
+from plumbing import stack  # noqa: E402
 
 
 def greedy_accuracy(model, tokenizer, rows, bf16, max_new_tokens, batch=64):

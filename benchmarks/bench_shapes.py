@@ -25,13 +25,11 @@ sys.path.insert(0, ROOT)  # the trainer's files, one folder up
 
 import torch  # noqa: E402
 
-import environments  # noqa: E402
-import forward  # noqa: E402
-import metrics  # noqa: E402
-import prompting  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
-from batches import Rollout  # noqa: E402
+from options import environments  # noqa: E402
+from step import forward, metrics, prompting  # noqa: E402
+from step.batches import Rollout  # noqa: E402
 
 VARIANTS = {"padded": ["--padding_free", "false"], "padding_free": ["--padding_free", "true"],
             "padding_free, 4096 tokens": ["--padding_free", "true",

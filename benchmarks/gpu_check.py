@@ -55,9 +55,9 @@ import torch  # noqa: E402
 
 import arithmetic  # noqa: E402
 import bench  # noqa: E402
-import stack  # noqa: E402
+from plumbing import stack  # noqa: E402
 from gpu_wheels import GPU_IMPORTS, download_wheels, unmet  # noqa: E402
-from config import EMBEDDED_PRESET  # noqa: E402
+from plumbing.config import EMBEDDED_PRESET  # noqa: E402
 
 BENCH_PY, TRAIN_PY = os.path.join(ROOT, "benchmarks", "bench.py"), os.path.join(ROOT, "train.py")
 RECIPE_PY = os.path.join(ROOT, "recipes", "arithmetic.py")

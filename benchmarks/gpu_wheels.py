@@ -8,7 +8,7 @@ from importlib import metadata
 
 from packaging.requirements import Requirement
 
-import stack
+from plumbing import stack
 
 
 # The GPU machine's Python 3.12 has torch, transformers, peft and GPU_IMAGE, not datasets or TRL:

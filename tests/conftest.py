@@ -20,7 +20,7 @@ def requires_vllm(test):
 @pytest.fixture
 def process_group():
     """A process group of one in this process, as train.py sets up (FSDP2's mixed precision under --bf16 needs it)."""
-    import distributed
+    from plumbing import distributed
 
     distributed.setup_distributed()
     yield

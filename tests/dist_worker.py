@@ -9,13 +9,11 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import data  # noqa: E402
-import distributed  # noqa: E402
-import forward  # noqa: E402
-import lora  # noqa: E402
-import models  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
+from options import lora  # noqa: E402
+from plumbing import distributed, models  # noqa: E402
+from step import data, forward  # noqa: E402
 
 device = distributed.setup_distributed()
 rank, world_size = distributed.rank(), distributed.world_size()

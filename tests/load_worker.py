@@ -11,9 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import distributed  # noqa: E402
-import models  # noqa: E402
 import train  # noqa: E402
+from plumbing import distributed, models  # noqa: E402
 
 
 def resident(key="VmRSS"):

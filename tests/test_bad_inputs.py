@@ -17,13 +17,10 @@ import time
 import pytest
 import torch
 
-import batches
-import checks
-import config
-import directories
-import data
 import rewards
 import train
+from plumbing import checks, config, directories
+from step import batches, data
 from conftest import drained, read_only_mount, start_drained
 from test_train import FAST, read_metrics, run
 
@@ -554,7 +551,7 @@ def test_an_error_line_is_not_printed_onto_the_progress_bar(capsys):
     (`rloo:  50%|#####     | 1/2 [...]error: ...`)."""
     from tqdm import tqdm
 
-    from config import fail
+    from plumbing.config import fail
 
     bar = tqdm(total=2, desc="rloo", file=sys.stderr)
     bar.update(1)

@@ -16,10 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import directories
-import models
 import rewards
 import train
+from plumbing import directories, models
 from conftest import build_chat_model, read_only_mount
 
 

@@ -15,10 +15,9 @@ import textwrap
 import pytest
 import torch
 
-import checkpoint
-import data
-import distributed
 import train
+from plumbing import checkpoint, distributed
+from step import data
 from chat_templates import LLAMA3_1, NO_TOOLS, QWEN2_5
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -130,7 +129,7 @@ def test_lost_peers_names_the_ranks_gone_on_this_host_only(monkeypatch):
 
 GLOO_EXIT = """
     import os, sys, threading
-    import distributed
+    from plumbing import distributed
     distributed.setup_distributed()
     workers = list(distributed.gloo_workers())  # torch's default: two
     assert len(workers) >= 2, (workers, distributed.threads())
@@ -173,7 +172,7 @@ def test_collective_failed_tells_a_lost_peer_from_a_bug(error, collective):
 SURVIVOR = '''
 import os, signal, socket, sys, time
 sys.path.insert(0, {root!r})
-import checkpoint, distributed
+from plumbing import checkpoint, distributed
 distributed.PEERS[:] = [(socket.gethostname(), os.getpid()), (socket.gethostname(), {dead})]
 checkpoint.watch_signals("cpu", {out!r})
 try:

@@ -13,15 +13,11 @@ import time
 import pytest
 import torch
 
-import batches
-import config
-import data
-import environments
-import metrics
 import rewards
-import reward_calls
-import tools
 import train
+from options import environments, tools
+from plumbing import config
+from step import batches, data, metrics, reward_calls
 
 N = 4  # completions in every reward batch here: two prompts, G = 2
 ROW = {"prompt": "12=", "target": "12"}
@@ -214,13 +210,14 @@ def test_a_package_directory_loads_as_reward_module(tmp_path):
 
 
 def test_a_reward_module_named_like_one_of_rloos_is_one_line(tmp_path, monkeypatch):
-    """./data.py:score passed as data:score imported rloo's data.py, which has no score."""
-    (tmp_path / "data.py").write_text(SCORE.format(value=1.0))
+    """./rollout.py:score passed as rollout:score imported rloo's rollout.py, which has no score."""
+    (tmp_path / "rollout.py").write_text(SCORE.format(value=1.0))
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match=r"'data' has no function 'score' \(reward function 'data:score'\): 'data' "
-                                         r"is rloo's own data.py, which shadows the data.py here; pass data.py:score"):
-        rewards.load_reward_func("data:score")
-    assert rewards.load_reward_func("data.py:score")(completions=["a"]) == [1.0]
+    with pytest.raises(ValueError, match=r"'rollout' has no function 'score' \(reward function 'rollout:score'\): "
+                                         r"'rollout' is rloo's own rollout.py, which shadows the rollout.py here; "
+                                         r"pass rollout.py:score"):
+        rewards.load_reward_func("rollout:score")
+    assert rewards.load_reward_func("rollout.py:score")(completions=["a"]) == [1.0]
 
 
 def test_a_reward_module_in_the_working_directory_but_not_on_the_path_says_how(tmp_path, monkeypatch):

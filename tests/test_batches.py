@@ -1,4 +1,4 @@
-"""batches.py: dynamic sampling on hand-built batches and in runs, and async generation against a real vLLM server
+"""step/batches.py: dynamic sampling on hand-built batches and in runs, and async generation against a real vLLM server
 (lag 0 equals the synchronous run, lag 1 trains on the previous step's samples, a killed run resumes exactly)."""
 
 import copy
@@ -9,12 +9,10 @@ import pytest
 import torch
 from datasets import Dataset
 
-import batches
-import data
-import models
-import forward
 import rollout
 import train
+from plumbing import models
+from step import batches, data, forward
 from rewards import RewardFunctions
 from conftest import length_reward_task, requires_vllm
 from test_rollout import vllm_server  # noqa: F401 (a fixture: vLLM's server on the tiny chat model)
@@ -121,7 +119,8 @@ def test_dynamic_sampling_run_logs_its_metrics_and_checkpoints_the_data_position
 
 
 COUNT_PUSHES = """
-import sys, train, vllm_server
+import sys, train
+from options import vllm_server
 from vllm.v1.worker.gpu_worker import Worker
 pushes = [0]
 def counted(push):

@@ -57,7 +57,7 @@ def test_a_run_that_measures_nothing_trains_the_same(tmp_path):
     memory, the run trains to the same numbers, and its time/* and memory/<phase> are empty."""
     runs = {}
     for measure in ("True", "False"):
-        out = subprocess.run([sys.executable, "-c", "import sys, metrics, train; metrics.MEASURE[0] = sys.argv[1] == "
+        out = subprocess.run([sys.executable, "-c", "import sys, train; from step import metrics; metrics.MEASURE[0] = sys.argv[1] == "
                               "'True'; train.main(sys.argv[2:])", measure, "--max_steps", "3", "--logging_steps", "1",
                               "--output_dir", str(tmp_path / measure)], capture_output=True, text=True, cwd=ROOT,
                              timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})

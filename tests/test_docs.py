@@ -17,15 +17,15 @@ import subprocess
 import sys
 
 
-import config
-import data
-import environments
-import metrics
 import rewards
 import rloo
-from test_shape import PRODUCT_FILES, ROOT
+from options import environments
+from plumbing import config
+from step import data, metrics
+from test_shape import FOLDERS, PRODUCT_FILES, ROOT, module_name
 
-MODULES = sorted(f[:-3] for f in PRODUCT_FILES if f.endswith(".py"))
+# a product module by the name prose uses (forward, as in `forward.forward_logps`) -> its file (step/forward.py)
+MODULES = {os.path.basename(f)[:-3]: f for f in PRODUCT_FILES if f.endswith(".py")}
 DOCS = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
 WORKED = "docs/worked-examples.md"  # README 'How to change one thing', worked through
 # a user's own files in the examples, and other projects' sources: not ours to find
@@ -71,7 +71,7 @@ def defined(module):
     """The names a product module defines itself (not those it imports): its functions, classes and
     assignments at the top level."""
     names = set()
-    for node in ast.parse(read(module + ".py")).body:
+    for node in ast.parse(read(MODULES[module])).body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
         targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
@@ -93,7 +93,7 @@ def missing_names(text):
         if chain[0] not in defined(match[1]):
             missing.append(match[0])
             continue
-        obj = getattr(importlib.import_module(match[1]), chain[0])
+        obj = getattr(importlib.import_module(module_name(os.path.join(ROOT, MODULES[match[1]]))), chain[0])
         for part in chain[1:]:
             if not hasattr(obj, part):
                 missing.append(match[0])
@@ -167,8 +167,9 @@ def test_the_lists_of_built_ins_are_the_codes():
         assert name in helped and re.search(rf"`{name}\b", read("docs/rewards.md")), name
     for name in environments.BUILTINS:
         assert name in helped and re.search(rf"\b{name}\b", read("docs/multi-turn.md")), name
-    on_disk = {os.path.join(folder, f) for folder in ("", "benchmarks", "recipes")
-               for f in os.listdir(os.path.join(ROOT, folder)) if f.endswith((".py", ".sh")) and not f.startswith("my_")}
+    on_disk = {os.path.join(folder, f) for folder in ("", "benchmarks", "recipes") + FOLDERS
+               for f in os.listdir(os.path.join(ROOT, folder))
+               if f.endswith((".py", ".sh")) and not f.startswith("my_") and f != "__init__.py"}
     assert set(PRODUCT_FILES) == on_disk - {"conftest.py"}, set(PRODUCT_FILES) ^ on_disk
 
 
@@ -212,9 +213,9 @@ def test_the_worked_example_trains_and_keeps_the_house_rules(tmp_path):
     source = (copy / "rloo.py").read_text()
     anchor = source.index("\n\n\ndef ", source.index("def rloo_advantages"))
     (copy / "rloo.py").write_text(source[:anchor] + "\n\n\n" + function.rstrip() + source[anchor:])
-    table = (copy / "config.py").read_text()
+    table = (copy / "plumbing" / "config.py").read_text()
     anchor = table.index("\n", table.index("ADVANTAGE_ESTIMATORS = {\n    "))
-    (copy / "config.py").write_text(table[:anchor + 1] + entry + table[anchor + 1:])
+    (copy / "plumbing" / "config.py").write_text(table[:anchor + 1] + entry + table[anchor + 1:])
     # and a reader's scratch file beside train.py, as the README's my_rewards.py: not held to the house rules
     (copy / "my_rewards.py").write_text("def f(completions, **kwargs):\n" + "    x = 1\n" * 80 +
                                         "    return [0.0 for _ in completions]  # " + "x" * 120 + "\n")
@@ -234,7 +235,8 @@ def test_the_worked_example_trains_and_keeps_the_house_rules(tmp_path):
 CURRICULUM_CHECK = """
 import json, sys
 from datasets import load_dataset
-import config, data
+from plumbing import config
+from step import data
 dataset = load_dataset("json", data_files=sys.argv[1], split="train")
 cfg = config.parse_config(["--dataset", sys.argv[1]])
 per_epoch = len(dataset) // 16
@@ -254,9 +256,9 @@ def test_the_curriculum_example_orders_the_prompts_and_trains(tmp_path):
     (function,) = re.findall(r"```python\n(.*?)```", section, re.S)
     copy = tmp_path / "rloo"
     shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "runs", "__pycache__", ".pytest_cache"))
-    source = (copy / "data.py").read_text()
+    source = (copy / "step" / "data.py").read_text()
     start = source.index("def epoch_order(")
-    (copy / "data.py").write_text(source[:start] + function.rstrip() + source[source.index("\n\n\ndef ", start):])
+    (copy / "step" / "data.py").write_text(source[:start] + function.rstrip() + source[source.index("\n\n\ndef ", start):])
     rng, path = random.Random(0), tmp_path / "curriculum.jsonl"
     digits = ["".join(rng.choice("0123456789") for _ in range(4)) for _ in range(512)]
     path.write_text("".join(json.dumps({"prompt": d + "=", "target": d, "difficulty": len(set(d))}) + "\n"
@@ -353,7 +355,9 @@ def test_the_token_loss_example_matches_its_formula_and_trains(tmp_path):
 
 
 FILTER_CHECK = """
-import statistics, torch, checks, config, rloo, sampler_rules
+import statistics, torch, rloo
+from plumbing import checks, config
+from step import sampler_rules
 torch.manual_seed(0)
 z = 2 * torch.randn(6, 40)
 kept = rloo.sampling_mask(z, top_n_sigma=1.0)
@@ -379,15 +383,15 @@ def test_the_logit_filter_example_masks_refuses_vllm_and_trains(tmp_path):
     house rules, and the change touches three product files."""
     flag, table, clause = worked_blocks("Worked example: a logit filter")
     copy = repository_copy(tmp_path)
-    source = (copy / "config.py").read_text()
+    source = (copy / "plumbing" / "config.py").read_text()
     anchor = source.index("\n", source.index("min_p times the top token's probability")) + 1
-    (copy / "config.py").write_text(source[:anchor] + flag + source[anchor:])
-    source = (copy / "sampler_rules.py").read_text()
+    (copy / "plumbing" / "config.py").write_text(source[:anchor] + flag + source[anchor:])
+    source = (copy / "step" / "sampler_rules.py").read_text()
     start = source.index("FILTERS = ")
-    (copy / "sampler_rules.py").write_text(source[:start] + table + source[source.index("\n", start) + 1:])
+    (copy / "step" / "sampler_rules.py").write_text(source[:start] + table + source[source.index("\n", start) + 1:])
     source = (copy / "rloo.py").read_text().replace("min_p=None):", "min_p=None, top_n_sigma=None):", 1)
     anchor = source.index("\n", source.index("keep = torch.ones_like(z, dtype=torch.bool)")) + 1
     (copy / "rloo.py").write_text(source[:anchor] + clause + source[anchor:])
-    assert sorted(edited_product_files(copy)) == ["config.py", "rloo.py", "sampler_rules.py"]
+    assert sorted(edited_product_files(copy)) == ["plumbing/config.py", "rloo.py", "step/sampler_rules.py"]
     trains_and_keeps_the_house_rules(copy, tmp_path / "out", ["--top_n_sigma", "3", "--replay_sampling_mask",
                                                               "true"], FILTER_CHECK)

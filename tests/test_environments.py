@@ -1,4 +1,4 @@
-"""Environments as users write them (environments.py): TRL's environment classes (GRPOTrainer's environment_factory:
+"""Environments as users write them (options/environments.py): TRL's environment classes (GRPOTrainer's environment_factory:
 reset(**columns), get_reward(), public methods as tools) beside rloo's step(text) environments, environment-owned
 rewards and data, several environments routed by the `environment` column, groups that share their task, and
 multi-turn on chat templates that are not prefix-preserving (Qwen3, DeepSeek-R1), trained on exactly the tokens the
@@ -14,12 +14,11 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-import environments
-import forward
-import prompting
 import rewards
 import rollout
-from vllm_server import wait_for_server
+from options import environments
+from step import forward, prompting
+from options.vllm_server import wait_for_server
 from chat_templates import QWEN2_5, QWEN3
 from conftest import build_chat_model, requires_vllm
 from test_multiturn import THREE_TURNS, ScriptedPolicy

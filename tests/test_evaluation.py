@@ -1,4 +1,4 @@
-"""evaluation.py: greedy held-out evaluation (--eval_temperature 0), evaluation at the start and after the last step,
+"""options/evaluation.py: greedy held-out evaluation (--eval_temperature 0), evaluation at the start and after the last step,
 the training clock (--max_train_minutes); and recipes/arithmetic.py's task: a held-out split disjoint from training,
 scored by an exact check."""
 
@@ -11,11 +11,11 @@ import time
 import pytest
 import torch
 
-import data
-import evaluation
 import rewards
 import rollout
 import train
+from options import evaluation
+from step import data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "recipes"))

@@ -17,12 +17,10 @@ from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from torch.distributed.tensor import DTensor
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-import data
-import forward
-import metrics
-import models
 import rollout
 import train
+from plumbing import models
+from step import data, forward, metrics
 from test_train import cfg_for
 
 

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import distributed
-import vllm_server
+from options import vllm_server
+from plumbing import distributed
 from conftest import requires_vllm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

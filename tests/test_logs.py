@@ -1,4 +1,4 @@
-"""logs.py: the Logger's sinks (metrics.jsonl, wandb, tensorboard) failing for real: a missing package or a wandb
+"""plumbing/logs.py: the Logger's sinks (metrics.jsonl, wandb, tensorboard) failing for real: a missing package or a wandb
 that cannot start is one line at start-up; a sink that fails mid-run (its directory deleted, the file-size limit, a
 full device, wandb's service killed) is dropped with one warning line while training, checkpoints and the other
 sinks go on (docs/troubleshooting.md 'Logs')."""

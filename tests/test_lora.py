@@ -11,19 +11,12 @@ import os
 import pytest
 import torch
 
-import checkpoint
-import sampler_rules
-import data
-import evaluation
-import forward
-import lora
-import models
-import prompting
 import rewards
 import rollout
-import sampler
 import train
-import vllm_rollout
+from options import evaluation, lora, vllm_rollout
+from plumbing import checkpoint, models
+from step import data, forward, prompting, sampler, sampler_rules
 from test_train import cfg_for, read_metrics, run, tiny_model_dir, worker  # noqa: F401 (tiny_model_dir: a fixture)
 
 CPU = torch.device("cpu")

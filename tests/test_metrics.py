@@ -1,4 +1,4 @@
-"""metrics.py's figures mean what they say: a run's peak memory that no phase resets (for the run's own
+"""step/metrics.py's figures mean what they say: a run's peak memory that no phase resets (for the run's own
 memory/run_peak and for anyone reading the process's peak after it), and phase times that end where the
 phase's work does (CUDA events on a GPU, read once a step)."""
 
@@ -25,7 +25,7 @@ def python(script, *args):
 PHASES = """
     import json, sys
     import torch
-    import metrics
+    from step import metrics
 
     def clear_refs():  # what timed() did at each phase start before: reset the process's peak (proc(5))
         with open("/proc/self/clear_refs", "w") as f:
@@ -71,7 +71,8 @@ def test_after_train_main_the_process_peak_is_at_least_the_largest_before_or_dur
     out = python("""
         import json, sys, time
         import torch
-        import metrics, train
+        import train
+        from step import metrics
         start = metrics.in_use()
         big = torch.ones(300 * 2**20 // 4)
         time.sleep(0.05)
@@ -95,7 +96,8 @@ def test_phase_times_end_at_events_read_once_a_step(tmp_path, accumulation):
     forward+backward and optimizer phases."""
     out = python("""
         import json, sys, time
-        import metrics, train
+        import train
+        from step import metrics
 
         class Event:  # torch.cuda.Event's interface: recorded at a phase end, read after a synchronization
             synced = 0

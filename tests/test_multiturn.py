@@ -1,4 +1,4 @@
-"""Multi-turn trajectories (environments.py): the mask that keeps the environment's tokens out of the loss, checked
+"""Multi-turn trajectories (options/environments.py): the mask that keeps the environment's tokens out of the loss, checked
 against a brute-force computation on hand-built two- and three-turn trajectories; the turn loop over our decode loop
 (sampler log-probs of model tokens = the trainer's); environments that fail; the embedded lookup task learning."""
 import copy
@@ -9,14 +9,11 @@ import pathlib
 import pytest
 import torch
 
-import data
-import environments
 import rewards
-import batches
-import forward
-import prompting
 import rollout
 import train
+from options import environments
+from step import batches, data, forward, prompting
 from conftest import requires_vllm
 from test_rollout import vllm_server  # noqa: F401  (the server fixture)
 from test_train import cfg_for, read_metrics, run

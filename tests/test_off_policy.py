@@ -12,10 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import data
-import distributed
-import metrics
 import train
+from plumbing import distributed
+from step import data, metrics
 from rloo import importance_weights, off_policy_mask
 from conftest import requires_vllm
 from test_train import FAST, cfg_for, hand_built_batch, read_metrics, run

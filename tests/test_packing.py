@@ -1,4 +1,4 @@
-"""--padding_free and --max_tokens_per_microbatch (packing.py, forward.packed_logps): the packed
+"""--padding_free and --max_tokens_per_microbatch (options/packing.py, forward.packed_logps): the packed
 forward's log-probs, entropy and gradients are the padded forward's (LoRA, MoE, multi-turn,
 gradient checkpointing); micro-batches by token budget give the same step, on one process and on
 two, where every rank runs as many."""
@@ -12,12 +12,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-import forward
-import lora
-import packing
-import stack
 import train
-from batches import Rollout
+from options import lora, packing
+from plumbing import stack
+from step import forward
+from step.batches import Rollout
 from test_train import read_metrics, run, worker
 
 

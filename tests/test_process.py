@@ -1,4 +1,4 @@
-"""train.main as a library call (process.py): runs one after another in one process, each as from a fresh process,
+"""train.main as a library call (plumbing/process.py): runs one after another in one process, each as from a fresh process,
 the process left as found, errors a caller can catch, and the README's sweep as written."""
 
 import json

@@ -12,15 +12,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import models
 import rewards
-import batches
-import forward
-import prompting
 import rollout
 import train
+from plumbing import models
+from step import batches, forward, prompting
 from rewards import RewardFunctions
-from vllm_server import wait_for_server
+from options.vllm_server import wait_for_server
 from conftest import requires_vllm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

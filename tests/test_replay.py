@@ -6,13 +6,10 @@ drawn from; without the flag nothing changes."""
 import pytest
 import torch
 
-import config
-import sampler_rules
-import data
-import forward
-import models
 import rollout
-from config import Config
+from plumbing import config, models
+from step import data, forward, sampler_rules
+from plumbing.config import Config
 from conftest import requires_vllm
 from rloo import sampling_mask
 from test_off_policy import startup_error

@@ -7,9 +7,9 @@ import re
 import pytest
 import torch
 
-import config
 import rewards
-from reward_calls import compute_rewards, reward_name
+from plumbing import config
+from step.reward_calls import compute_rewards, reward_name
 from rewards import load_reward_func
 
 PROMPTS = ["Solve: 2x + 3 = 7"] * 2 + ["2+2?"] * 2

@@ -4,14 +4,12 @@
 import pytest
 import torch
 
-import data
-import forward
-import models
-import prompting
 import rollout
-from config import Config
-import sampler
-from vllm_server import wait_for_server
+from plumbing import models
+from step import data, forward, prompting
+from plumbing.config import Config
+from step import sampler
+from options.vllm_server import wait_for_server
 
 pytestmark = pytest.mark.stack  # version-sensitive: CI runs it on the newest and oldest stacks too
 

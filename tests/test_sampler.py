@@ -1,4 +1,4 @@
-"""sampler.py's draw (inverse CDF at one counter-based uniform per row and step): what it costs over
+"""step/sampler.py's draw (inverse CDF at one counter-based uniform per row and step): what it costs over
 [B, vocab] per sampled token, that it follows the softmax, and that a sample is a pure function of
 (seed, row, step), so chunked and resumed generation give the same tokens."""
 
@@ -10,8 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import rollout
-from config import Config
-import sampler
+from plumbing.config import Config
+from step import sampler
 
 CPU = torch.device("cpu")
 B, V = 4, 4096  # B * V above every tensor of the model's but its logits and its embedding table

@@ -1,4 +1,4 @@
-"""stack.py: the precision chosen where --bf16 is unset, the checkpointing entry point of each transformers release,
+"""plumbing/stack.py: the precision chosen where --bf16 is unset, the checkpointing entry point of each transformers release,
 and the start-up's line for each path a version or the device chose."""
 
 import os
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import stack
+from plumbing import stack
 
 pytestmark = pytest.mark.stack  # version-sensitive: CI runs it on the newest and oldest stacks too
 

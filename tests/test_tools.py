@@ -1,4 +1,4 @@
-"""tools.py: loading tool functions (one line per bad file or function), their schemas, reading
+"""options/tools.py: loading tool functions (one line per bad file or function), their schemas, reading
 calls out of a model turn (hermes and Llama 3 JSON), running one call (errors, timeouts, async),
 ToolEnvironment's counters and budget, and the real Qwen2.5 / Llama 3.1 / 3.2 / Qwen3 chat
 templates: which format each writes, how it renders tool results, and whether a model turn renders
@@ -12,7 +12,7 @@ from chat_templates import LLAMA3_1, LLAMA3_2, NO_TOOLS, QWEN2_5, QWEN3
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-import tools
+from options import tools
 
 TOOLS_FILE = '''
 import asyncio
@@ -460,7 +460,7 @@ def test_tool_turn_renders_the_same_once_results_follow_it(template, style):
     found, before, after = rendered_turn_and_reply(template, text)
     assert found == style
     # the model's text appears as it wrote it; up to its end, and through the turn's closing
-    # (what environments.py checks), the rendering with the reply extends the one without
+    # (what options/environments.py checks), the rendering with the reply extends the one without
     end_of_text = before.index(text) + len(text)
     assert after.startswith(before[:end_of_text]) and after.startswith(before)
     assert after[len(before):] == RESULTS[style]

@@ -15,15 +15,11 @@ import time
 import pytest
 import torch
 
-import checkpoint
-import config
-import data
-import distributed
-import forward
-import metrics
 import rewards
 import rollout
 import train
+from plumbing import checkpoint, config, distributed
+from step import data, forward, metrics
 from conftest import drained, requires_vllm, start_drained
 from rewards import RewardFunctions
 from rloo import rloo_advantages, sequence_kl

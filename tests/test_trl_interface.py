@@ -12,21 +12,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GptOssConfig, GptOssForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-import checks
-import config
-import sampler_rules
-import data
-import evaluation
-import lora
-import metrics
-import models
 import rewards
-import batches
-import forward
-import sampler
-import schedule
 import rollout
 import train
+from options import evaluation, lora
+from plumbing import checks, config, models, schedule
+from step import batches, data, forward, metrics, sampler, sampler_rules
 from test_train import cfg_for, read_metrics, run
 
 CPU = torch.device("cpu")
@@ -392,7 +383,7 @@ def test_generation_kwargs_flags_aliases_and_vllm_sampling_params():
     assert (cfg.top_k, cfg.max_completion_length) == (5, 7)
     assert cfg.generation_kwargs == {"min_tokens": 2, "logit_bias": {3: -2.5}, "bad_words": ["ab"],
                                      "bad_words_ids": [[4, 5]], "allowed_token_ids": [1, 2, 3]}
-    import vllm_rollout
+    from options import vllm_rollout
     sampling = vllm_rollout.vllm_sampling(cfg, [0], logprobs=True)
     assert sampling["top_k"] == 5 and sampling["max_tokens"] == 7 and sampling["min_tokens"] == 2
     assert sampling["logit_bias"] == {3: -2.5} and sampling["allowed_token_ids"] == [1, 2, 3]
@@ -539,7 +530,7 @@ def test_a_head_trained_apart_from_its_tied_embeddings_is_saved_untied(tmp_path)
     """--lora_modules_to_save lm_head on a model with tied embeddings (the embedded one, SmolLM2, Qwen2-0.5B): the
     saved merged model keeps the trained head (loading would otherwise tie the untrained one back), and vLLM, which
     ties them again at load, is refused in one line."""
-    import vllm_rollout
+    from options import vllm_rollout
     model = lora.add_adapter(data.embedded_task(seed=0)[0],
                              dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear",
                                   modules_to_save=["lm_head"]))

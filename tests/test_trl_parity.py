@@ -31,12 +31,10 @@ import torch
 trl = pytest.importorskip("trl")
 pytest.importorskip("accelerate")
 
-import forward  # noqa: E402
-import models  # noqa: E402
-import prompting  # noqa: E402
 import rollout  # noqa: E402
-import schedule  # noqa: E402
 import train  # noqa: E402
+from plumbing import models, schedule  # noqa: E402
+from step import forward, prompting  # noqa: E402
 from rewards import RewardFunctions  # noqa: E402
 
 G = 4

@@ -14,8 +14,8 @@ import urllib.request
 import pytest
 import torch
 
-import models
-import vllm_server
+from options import vllm_server
+from plumbing import models
 from conftest import build_chat_model, drained, length_reward_task, requires_vllm, start_drained
 from test_rollout import free_port, start_server
 
@@ -169,8 +169,8 @@ def test_a_run_that_takes_the_server_during_a_push_keeps_it(tmp_path, chat_model
     """Another run's lease set while this run's weights load (here from inside the file push): the push stops with
     the takeover's line before it sets its own version, so the other run keeps the server (its version stands), and
     the server is resumed. Before, the push's version overwrote the other run's and this run trained on."""
-    import config
     import safetensors.torch
+    from plumbing import config
     from transformers import AutoModelForCausalLM
 
     server, _ = server

@@ -12,8 +12,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import distributed  # noqa: E402
-import vllm_server  # noqa: E402
+from options import vllm_server  # noqa: E402
+from plumbing import distributed  # noqa: E402
 
 
 def serve(release):

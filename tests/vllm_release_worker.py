@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train  # noqa: E402
-import vllm_rollout  # noqa: E402
+from options import vllm_rollout  # noqa: E402
 
 GIB = 2**30
 CUDA = torch.device("cuda")  # a device as data: nothing here touches a GPU

@@ -20,13 +20,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import data  # noqa: E402
-import distributed  # noqa: E402
-import lora  # noqa: E402
-import models  # noqa: E402
 import train  # noqa: E402
-import vllm_server  # noqa: E402
-import weight_source  # noqa: E402
+from options import lora, vllm_server, weight_source  # noqa: E402
+from plumbing import distributed, models  # noqa: E402
+from step import data  # noqa: E402
 
 
 def gloo_pair(rank, port):

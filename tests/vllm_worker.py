@@ -12,14 +12,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import distributed  # noqa: E402
-import forward  # noqa: E402
-import lora  # noqa: E402
-import models  # noqa: E402
-import prompting  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
-import vllm_rollout  # noqa: E402
+from options import lora, vllm_rollout  # noqa: E402
+from plumbing import distributed, models  # noqa: E402
+from step import forward, prompting  # noqa: E402
 
 out_path, flags = sys.argv[1], sys.argv[2:]
 device = distributed.setup_distributed()
