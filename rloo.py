@@ -81,10 +81,12 @@ def rloo_advantages(rewards, num_generations):
     return torch.where(with_baseline, r - baseline, 0.0).view(-1)
 
 
-def estimate_advantages(rewards, num_generations, estimator="rloo"):
+def estimate_advantages(rewards, num_generations, estimator="rloo", settings=None):
     """The advantages of the estimator --advantage_estimator names (config.ADVANTAGE_ESTIMATORS):
-    the function NAME_advantages of this file, rewards [B] (groups of G adjacent) -> [B]."""
-    return globals()[f"{estimator}_advantages"](rewards, num_generations)
+    the function NAME_advantages of this file, rewards [B] (groups of G adjacent) -> [B].
+    settings: its own keyword arguments (--advantage_estimator_kwargs), beyond the two every
+    estimator takes."""
+    return globals()[f"{estimator}_advantages"](rewards, num_generations, **(settings or {}))
 
 
 def has_baseline(rewards, num_generations):

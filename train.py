@@ -151,7 +151,8 @@ def score(cfg, batch, rewards, model, ref_model, step):
             scores.kl_sums = sequence_kl(old, scores.ref_logps, loss_mask, cfg.kl_estimator)
             scores.rewards = shaped - cfg.beta * scores.kl_sums
         # [B], e.g. leave-one-out A_i = r_i - mean_{j != i} r_j (rloo_advantages)
-        advantages = estimate_advantages(scores.rewards, G, cfg.advantage_estimator)
+        advantages = estimate_advantages(scores.rewards, G, cfg.advantage_estimator,
+                                         cfg.advantage_estimator_kwargs)
         if cfg.normalize_advantages:  # over the global batch: every rank normalises the same vector
             with_baseline = has_baseline(scores.rewards, G).float()
             gathered = distributed.gather({"advantages": advantages, "baseline": with_baseline})

@@ -106,7 +106,8 @@ def unmoved_loss(cfg, batch, rewards_per_func, rewards, valid, model):
     advantages, and a MoE model's auxiliary loss, the mean over training-sized micro-batches."""
     G, aux_coef = cfg.num_generations, models.router_aux_coef(cfg, model)
     shaped = rewards.combine(rewards_per_func)
-    advantages = estimate_advantages(shaped, G, cfg.advantage_estimator)  # [B]
+    advantages = estimate_advantages(shaped, G, cfg.advantage_estimator,  # [B]
+                                     cfg.advantage_estimator_kwargs)
     advantages = advantages * valid.to(shaped.device)
     unmoved = torch.zeros_like(advantages)  # s = s_old
     loss = rloo_loss(unmoved, unmoved, advantages, cfg.epsilon, cfg.epsilon, 1)[0]

@@ -5,6 +5,7 @@ async and dynamic sampling). Checks only: nothing here changes the config.
 """
 
 import importlib.util
+import inspect
 import json
 import os
 
@@ -12,6 +13,7 @@ import torch
 from packaging.version import Version
 from transformers import get_scheduler
 
+import rloo
 from plumbing import stack
 from plumbing.config import Config, fail, generation_steps
 from step.sampler_rules import (FILTERS, active_filters, logit_shapers, replays_filters,
@@ -62,6 +64,7 @@ def check_config(cfg, world_size=1):
         check_vllm(cfg, world_size)
     check_model_options(cfg)
     check_async_and_dynamic(cfg)
+    check_estimator_settings(cfg)
 
 
 def check_batch_geometry(cfg, world_size):
@@ -274,3 +277,21 @@ def check_async_and_dynamic(cfg):
         fail("--dynamic_sampling with --async_generation is not supported: its extra rounds would "
              "mix weights of different steps in one batch; use one of them")
 
+
+
+def check_estimator_settings(cfg):
+    """--advantage_estimator_kwargs: keyword parameters of the estimator's function in rloo.py,
+    whose values it takes (tried on a batch of two groups)."""
+    settings, name = cfg.advantage_estimator_kwargs or {}, cfg.advantage_estimator
+    accepted = list(inspect.signature(getattr(rloo, f"{name}_advantages")).parameters)[2:]
+    unknown = sorted(set(settings) - set(accepted))
+    takes = f"takes {', '.join(accepted)}" if accepted else "takes no setting"
+    if unknown:
+        fail(f"--advantage_estimator_kwargs names {unknown[0]!r}, which rloo.{name}_advantages "
+             f"{takes}: drop it, or add it to that function as a keyword parameter")
+    try:
+        rloo.estimate_advantages(torch.arange(2.0 * cfg.num_generations), cfg.num_generations,
+                                 name, settings)
+    except Exception as e:  # noqa: BLE001 (a value the function cannot use)
+        fail(f"--advantage_estimator_kwargs {json.dumps(settings)}: rloo.{name}_advantages fails "
+             f"with them ({type(e).__name__}: {e}); it {takes}")

@@ -27,9 +27,10 @@ from plumbing.domains import (  # noqa: E402, F401
     generation_options, greater_than, one_of)
 
 
-# --advantage_estimator NAME: rloo.NAME_advantages(rewards [B], G) -> advantages [B], called by
-# rloo.estimate_advantages for training and evaluation alike. A new estimator is its function in
-# rloo.py and its name here (README 'How to change one thing'); the flag's help and check read this.
+# --advantage_estimator NAME: rloo.NAME_advantages(rewards [B], G, **settings) -> advantages [B],
+# called by rloo.estimate_advantages for training and evaluation alike; its settings are its
+# keyword parameters, set by --advantage_estimator_kwargs. A new estimator is its function in
+# rloo.py and its name here (README 'How to change one thing'); the flag's help and check read it.
 ADVANTAGE_ESTIMATORS = {
     "rloo": "leave-one-out, A_i = r_i - mean_{j != i} r_j (the paper's, section 3)",
 }
@@ -234,6 +235,10 @@ class Config:
     advantage_estimator: str = arg("rloo", one_of(*ADVANTAGE_ESTIMATORS),
         "How a completion's advantage comes from its group's rewards: " + "; ".join(
             f"{name}: {what}" for name, what in ADVANTAGE_ESTIMATORS.items()) + ".")
+    advantage_estimator_kwargs: dict | str | None = arg(None, JSON_OBJECT,
+        "JSON dict of the estimator's own settings: keyword parameters of its function in rloo.py "
+        "beyond (rewards, num_generations), e.g. '{\"scale_rewards\": false}' for the worked "
+        "example's grpo.")
     num_iterations: int = arg(1, at_least(1),
         "mu: optimizer passes over each generated batch (> 1 makes the clipped surrogate matter).")
     normalize_advantages: bool = arg(False,
@@ -446,7 +451,7 @@ EMBEDDED_LOOKUP_PRESET = dict(max_completion_length=12)
 # step of staleness and would mostly add variance.
 ASYNC_IMPORTANCE_SAMPLING_CAP = 2.0
 JSON_FIELDS = ("chat_template_kwargs", "model_init_kwargs", "generation_kwargs",
-               "lr_scheduler_kwargs")
+               "lr_scheduler_kwargs", "advantage_estimator_kwargs")
 DESCRIPTION = "RLOO fine-tuning of a causal language model: config, setup, the training loop."
 
 

@@ -107,6 +107,10 @@ FLAG_CASES = [  # (flags, what the line must say); marked "ours" where the issue
     (["--eval_steps", "5"], "--eval_steps 5 means nothing without --eval_split or --eval_dataset"),
     (["--dataset_split", "test"], "--dataset_split test means nothing without --dataset"),
     (["--run_name", "exp1"], "--run_name exp1 means nothing without --report_to wandb"),
+    # ours: an estimator's own settings are its function's keyword parameters (rloo.py)
+    (["--advantage_estimator_kwargs", '{"clip": 3}'],
+     "--advantage_estimator_kwargs names 'clip', which rloo.rloo_advantages takes no setting"),
+    (["--advantage_estimator_kwargs", "[3]"], "--advantage_estimator_kwargs [3]: must be a JSON object"),
 ]
 
 

@@ -188,11 +188,15 @@ def test_the_reserved_names_are_listed_where_their_users_read():
 
 def test_the_advantage_estimators_are_the_table_and_the_functions():
     """config.ADVANTAGE_ESTIMATORS (the flag's choices and help) names exactly rloo.py's NAME_advantages(rewards,
-    num_generations) functions."""
-    functions = {name.removesuffix("_advantages") for name, f in vars(rloo).items()
-                 if name.endswith("_advantages") and callable(f)
-                 and list(inspect.signature(f).parameters) == ["rewards", "num_generations"]}
-    assert functions == set(config.ADVANTAGE_ESTIMATORS)
+    num_generations, **settings) functions, whose settings have defaults."""
+    functions = {}
+    for name, f in vars(rloo).items():
+        parameters = list(inspect.signature(f).parameters.values()) if callable(f) else []
+        if name.endswith("_advantages") and name != "estimate_advantages" and \
+                [p.name for p in parameters[:2]] == ["rewards", "num_generations"]:
+            assert all(p.default is not p.empty for p in parameters[2:]), name
+            functions[name.removesuffix("_advantages")] = f
+    assert set(functions) == set(config.ADVANTAGE_ESTIMATORS)
 
 
 def worked_example():
@@ -219,12 +223,18 @@ def test_the_worked_example_trains_and_keeps_the_house_rules(tmp_path):
     # and a reader's scratch file beside train.py, as the README's my_rewards.py: not held to the house rules
     (copy / "my_rewards.py").write_text("def f(completions, **kwargs):\n" + "    x = 1\n" * 80 +
                                         "    return [0.0 for _ in completions]  # " + "x" * 120 + "\n")
-    run = subprocess.run([sys.executable, "train.py", "--advantage_estimator", "grpo", "--max_steps", "60",
-                          "--logging_steps", "20", "--output_dir", str(tmp_path / "out")], capture_output=True,
-                         text=True, cwd=copy, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert run.returncode == 0, run.stderr[-3000:]
-    logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert logged[-1]["reward"] > logged[0]["reward"], logged
+    grad_norms = []
+    for settings in ("{}", '{"scale_rewards": false}'):  # its own setting, through the flag alone
+        out = tmp_path / f"out{len(settings)}"
+        run = subprocess.run([sys.executable, "train.py", "--advantage_estimator", "grpo", "--max_steps", "60",
+                              "--advantage_estimator_kwargs", settings, "--logging_steps", "20",
+                              "--output_dir", str(out)], capture_output=True, text=True, cwd=copy, timeout=600,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert run.returncode == 0, run.stderr[-3000:]
+        logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert logged[-1]["reward"] > logged[0]["reward"], (settings, logged)
+        grad_norms.append(logged[0]["grad_norm"])
+    assert abs(grad_norms[0] - grad_norms[1]) > 0.01 * grad_norms[0], grad_norms  # the setting reached it
     rules = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
                             "tests/test_shape.py",
                             "tests/test_docs.py::test_the_advantage_estimators_are_the_table_and_the_functions"],
