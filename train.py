@@ -282,7 +282,9 @@ def finish(r, stopped, step):
     elif not stopped:
         checkpoint.save_hf(r.model, r.saver, cfg.output_dir)
     if not stopped and distributed.is_main():
-        print(f"rloo: metrics in {r.logger.where()}, final model in {cfg.output_dir}")
+        spent = f"--max_train_minutes {cfg.max_train_minutes:g} spent at step {step} of " \
+            f"{r.total_steps}; " if step < r.total_steps else ""  # the clock, as signals say so
+        print(f"rloo: {spent}metrics in {r.logger.where()}, final model in {cfg.output_dir}")
     r.source.close()  # the generation thread, then the generator (a colocated engine: the group)
     return Result(cfg.output_dir, step, r.logger.last, stopped, dict(stack.PATHS))
 
@@ -291,15 +293,18 @@ def finish(r, stopped, step):
 # Main
 # ---------------------------------------------------------------------------------------------
 
-def setup(argv):
+def setup(argv, opened):
     """Flags -> (cfg, device): the process group, the precision, and every check that needs no
-    data and no model."""
+    data and no model. The output directory's lock goes with `opened`, last."""
     cfg = environments.with_tools(parse_config(argv))  # --tools: their schemas in the template
     device = distributed.setup_distributed(cfg.ddp_timeout)
     stack.took("versions", stack.versions())
     stack.choose_precision(cfg, device)  # --bf16 unset: what the device computes natively
     check_config(cfg, distributed.world_size())
-    directories.check_output_dir(cfg)
+    release = directories.check_output_dir(cfg)
+    if release is not None:
+        opened.callback(release)
+    directories.resolve_paths(cfg)  # user code may change the working directory
     return cfg, device
 
 
@@ -337,8 +342,9 @@ def start(cfg, device, opened):
     optimizer, scheduler, total_steps = schedule.make_optimization(cfg, model, dataset, device)
     rewards.max_steps = total_steps
     state = checkpoint.resume_or_start(cfg, model, optimizer, scheduler, ref_model)
-    source = opened.enter_context(closing(BatchSource(cfg, generator, dataset, rewards,
-                                                      tokenizer.pad_token_id, vars(state))))
+    checkpoint.check_steps_left(cfg, state, total_steps)
+    source = opened.enter_context(closing(BatchSource(cfg, generator, dataset, rewards, tokenizer,
+                                                      vars(state))))
     logger = opened.enter_context(closing(Logger(cfg, total_steps, state)))
     return Run(cfg, model, ref_model, processor or tokenizer, vision, rewards, eval_sets,
                eval_generator, optimizer, scheduler, total_steps, state,
@@ -362,7 +368,7 @@ def main(argv=None):
     domains.Failed (also importable from config): its one line (error: ...) is what the command
     line prints."""
     with process.borrowed() as opened:
-        cfg, device = setup(argv)
+        cfg, device = setup(argv, opened)
         try:
             return train(start(cfg, device, opened))
         except Exception as error:  # a lost peer's failed collective: one line naming the peer
@@ -430,7 +436,8 @@ def train(r):
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["export"]:  # python train.py export CHECKPOINT [OUT_DIR]
-        checkpoint.export_checkpoint(*sys.argv[2:4])
-    else:
-        main()
+    with process.command_line():  # its end waits on no thread user code left running
+        if sys.argv[1:2] == ["export"]:  # python train.py export CHECKPOINT [OUT_DIR]
+            checkpoint.export_checkpoint(*sys.argv[2:4])
+        else:
+            main()

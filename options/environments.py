@@ -43,8 +43,9 @@ from plumbing.config import fail
 from step.forward import micro_batches
 from options.lookup import ScoredLookup, lookup_environment
 from step.metrics import merge_timings
-from step.prompting import (completion_texts, is_conversational, pad, prompt_tensors, repeat_each,
-                            tokenize_prompts)
+from step.prompting import (completion_texts, is_conversational, message_text, pad,
+                            prompt_tensors, repeat_each, tokenize_prompts, unknown_token,
+                            unrepresented)
 from step.reward_calls import user_error
 
 
@@ -146,7 +147,7 @@ def environment_rewards(cfg, dataset):
         row = next((r for r in rows if name is None or r.get("environment") == name),
                    rows[0] if rows else {"prompt": ""})
         outcome = tools.in_thread(lambda: factory(row) if takes_row(factory) else factory(),
-                                  cfg.environment_timeout)
+                                  cfg.environment_timeout, f"--environment {cfg.environment}")
         if "value" not in outcome:
             fail(f"--environment {cfg.environment}: making an environment"
                  f"{f' {name!r}' if name else ''} {why_not(outcome, cfg)}")
@@ -252,6 +253,8 @@ class MultiTurn:
         self.tokenizer, self.eos_ids, self.max_length = tokenizer, set(eos_ids), max_length
         self.style = None  # the template's tool-call format, read when a TRL environment needs it
         self.failed = False  # a step failed already (said once)
+        # a tokenizer with an unknown token (the embedded model's): text it cannot read, said once
+        self.unread = unknown_token(tokenizer) is not None
 
     def push_weights(self):
         self.generator.push_weights()
@@ -326,7 +329,7 @@ class MultiTurn:
         spec = self.cfg.environment or self.cfg.tools
         factory = self.route(row, spec)
         outcome = tools.in_thread(lambda: open_environment(factory, row),
-                                  self.cfg.environment_timeout)
+                                  self.cfg.environment_timeout, f"--environment {spec}")
         if "value" not in outcome:  # a hung factory is abandoned in its daemon thread
             fail(f"--environment {spec}: making the environment of a row "
                  f"{why_not(outcome, self.cfg)}")
@@ -341,6 +344,7 @@ class MultiTurn:
             fail(f"--environment {spec}: reset() returned {problem}; return a prompt (a non-empty "
                  "string or a list of {'role', 'content'} messages), or None for the row's")
         prompt = row["prompt"] if prompt is None else prompt
+        self.check_readable(prompt)
         kwargs = {**(self.cfg.chat_template_kwargs or {}), **getattr(env, "template_kwargs", {})}
         if (self.cfg.tools or "tools" in kwargs) and not is_conversational(prompt):
             fail("--tools needs conversational prompts ([{'role': 'user', 'content': ...}]): tool "
@@ -397,7 +401,8 @@ class MultiTurn:
         """env.step(text) within --environment_timeout. An exception or a timeout ends this
         trajectory with an error turn the reward functions see (counted; the first said on
         stderr, where in the user's code); a reply of the wrong kind is a bug: one line."""
-        outcome = tools.in_thread(lambda: t.env.step(text), self.cfg.environment_timeout)
+        outcome = tools.in_thread(lambda: t.env.step(text), self.cfg.environment_timeout,
+                                  f"--environment {self.cfg.environment}'s step")
         if "value" not in outcome:  # a hung step is abandoned in its daemon thread
             t.env_failures += 1
             why = why_not(outcome, self.cfg, located=False)
@@ -427,6 +432,7 @@ class MultiTurn:
         (Qwen3 and DeepSeek-R1 drop their reasoning once a conversation goes on): the model's
         turns stay the tokens it sampled, so it is trained on exactly what it saw."""
         tokenizer = self.tokenizer
+        self.check_readable(as_messages(reply))
         if isinstance(reply, str):
             return tokenizer(reply, add_special_tokens=False).input_ids
         options = self.cfg.chat_template_kwargs if t.template_kwargs is None else t.template_kwargs
@@ -444,6 +450,17 @@ class MultiTurn:
         glue = closing[len(eos_text):] if closing.startswith(eos_text) else closing
         return tokenizer(glue + rest[len(closing):], add_special_tokens=False).input_ids
 
+    def check_readable(self, prompt):
+        """The environment's text in characters the tokenizer reads as its unknown token (every
+        character but the digits and '=', for the embedded model): one warning a run."""
+        lost = self.unread and unrepresented(self.tokenizer, message_text(prompt))
+        if lost:
+            self.unread = False
+            tqdm.write(f"rloo: WARNING: --environment {self.cfg.environment or self.cfg.tools}: "
+                       f"the tokenizer reads {len(lost)} characters of the environment's text "
+                       f"({''.join(dict.fromkeys(lost))[:24]!r}) as its unknown token; the model "
+                       "does not see them", file=sys.stderr)
+
     def rollout(self, rows, trajectories, reported):
         """The trajectories as one Rollout: prompts left-padded, trajectories right-padded."""
         device, pad_id = self.generator.device, self.tokenizer.pad_token_id
@@ -458,7 +475,8 @@ class MultiTurn:
                           torch.tensor([t.truncated for t in trajectories], device=device), lists,
                           completion_texts(self.tokenizer, lists), logps,
                           generated_mask=generated, turns=[t.turns for t in trajectories],
-                          environments=[user_object(t.env) for t in trajectories])
+                          environments=[user_object(t.env) for t in trajectories],
+                          prompts=[t.prompt for t in trajectories])
         rollout.turn_stats = turn_stats(trajectories, device)
         return rollout
 

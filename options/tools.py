@@ -28,6 +28,7 @@ call without arguments means no arguments.
 """
 
 import asyncio
+import contextlib
 import inspect
 import json
 import re
@@ -298,7 +299,7 @@ def call_tool(funcs_by_name, call, timeout):
         return f"error: {name} got arguments it does not take: {e}", True
     except ValueError:  # no signature to check (some builtins): the call itself will tell
         pass
-    outcome = in_thread(lambda: run_tool(func, arguments, timeout), timeout)
+    outcome = in_thread(lambda: run_tool(func, arguments, timeout), timeout, f"tool {name!r}")
     if not outcome or isinstance(outcome.get("error"), ToolTimeout):
         return f"error: {name} did not return within {timeout:g} s", True
     if "error" in outcome:
@@ -326,10 +327,11 @@ def run_tool(func, arguments, timeout):
     return asyncio.run(bounded())
 
 
-def in_thread(call, timeout):
+def in_thread(call, timeout, who=None):
     """call() in a daemon thread, waited for `timeout` seconds: {"value": v}, {"error": e}, or {}
     when it did not return. A sync call that never returns cannot be stopped, only abandoned (a
-    daemon thread does not hold the exit); an async one is cancelled by run_tool."""
+    daemon thread does not hold the exit); an async one is cancelled by run_tool. who: the user
+    code it is ("tool 'calculator'"), whose changes to the process are taken back."""
     outcome = {}
 
     def target():
@@ -339,8 +341,9 @@ def in_thread(call, timeout):
             outcome["error"] = e
 
     thread = threading.Thread(target=target, daemon=True, name="rloo-tool")
-    thread.start()
-    thread.join(timeout)
+    with user_code.taken_back(who) if who else contextlib.nullcontext():
+        thread.start()
+        thread.join(timeout)
     return outcome if not thread.is_alive() else {}
 
 

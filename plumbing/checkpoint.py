@@ -11,9 +11,11 @@ rebuild the model) and, written last, manifest.json: every file and its size.
 """
 
 import dataclasses
+import errno
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import sys
@@ -254,6 +256,7 @@ def save_checkpoint(cfg, model, optimizer, scheduler, state, vision=False, ref_m
         # a full disk can surface as torch's own error (its zip writer's "unexpected pos"): say it
         full = shutil.disk_usage(cfg.output_dir).free < 2**20 and "No space left" not in reason(e)
         full = full and "No space left on device: "
+        fix = write_fix(e, cfg.output_dir)
         if distributed.is_main():
             shutil.rmtree(final + ".tmp", ignore_errors=True)
         last = checkpoint_dirs(cfg.output_dir)
@@ -261,7 +264,7 @@ def save_checkpoint(cfg, model, optimizer, scheduler, state, vision=False, ref_m
             "no earlier checkpoint exists"
         then = "resume with --resume_from_checkpoint latest" if last else "run again"
         fail(f"cannot write {final} ({full or ''}{reason(e)}): the partial copy is removed and "
-             f"{kept}. Free disk space, then {then}")
+             f"{kept}. To go on, {fix}, then {then}")
     if distributed.is_main():
         shutil.rmtree(final, ignore_errors=True)
         os.rename(final + ".tmp", final)
@@ -279,6 +282,30 @@ def reason(error):
         error = next(iter(error.failures.values()))[0]
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0][:200] if text else ''}"
+
+
+# What to do when a write fails, by its cause (errno): a full disk is not a read-only one
+FIXES = {errno.ENOSPC: "free disk space", errno.EDQUOT: "free space within your disk quota",
+         errno.EROFS: "the filesystem is read-only now: make it writable (or copy the run "
+                      "somewhere that is)",
+         errno.EACCES: "give this user write permission there",
+         errno.EPERM: "give this user write permission there",
+         errno.EFBIG: "a file passed this process's file-size limit: raise it (ulimit -f)",
+         errno.ENOENT: "the directory was removed under the run: make it again"}
+
+
+def write_fix(error, directory):
+    """What to do about a failed write, from its errno: an OSError's, the one safetensors' writer
+    names in its message (`File too large (os error 27)`), or, where torch's zip writer
+    hides it ("unexpected pos"), the disk's free space or this process's file-size limit."""
+    code = error.errno if isinstance(error, OSError) else None
+    found = re.search(r"\(os error (\d+)\)|Os \{ code: (\d+)", str(error))
+    code = int(found.group(1) or found.group(2)) if code is None and found else code
+    if code is None and "unexpected pos" in str(error):
+        limited = resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY
+        code = errno.ENOSPC if shutil.disk_usage(directory).free < 2**20 else \
+            errno.EFBIG if limited else None
+    return FIXES.get(code, "fix that")
 
 
 def write_checkpoint(cfg, model, optimizer, scheduler, state, vision, ref_model, tmp):
@@ -339,6 +366,17 @@ def find_checkpoint(cfg):
     if state["model"] != cfg.model:
         fail(f"checkpoint {path!r} was trained from model {state['model']!r}, not {cfg.model!r}")
     return path, state
+
+
+def check_steps_left(cfg, state, total_steps):
+    """A resume at or past the run's last step would train nothing and save the final model
+    again, without a word: one line instead."""
+    if cfg.resume_from_checkpoint and state.step >= total_steps:
+        length = f"--max_steps {cfg.max_steps}" if cfg.max_steps > 0 else \
+            f"--num_train_epochs {cfg.num_train_epochs:g}"
+        fail(f"--resume_from_checkpoint {cfg.resume_from_checkpoint}: the checkpoint is at step "
+             f"{state.step} and this run ends at step {total_steps} ({length}): nothing is left to "
+             "train. To go on, raise it; for its model, python train.py export CHECKPOINT")
 
 
 # On resume the optimizer and scheduler state come back from the checkpoint (as the Hugging Face
@@ -419,16 +457,24 @@ def save_hf(model, tokenizer, path):
         else:
             model.save_pretrained(path, state_dict=state_dict)
         tokenizer.save_pretrained(path)
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 (OSError, or safetensors' SafetensorError of one)
+        if not isinstance(e, OSError) and "SafetensorError" not in type(e).__name__:
+            raise
         last = checkpoint_dirs(path)
         then = f"python train.py export {last[-1]}" if last else "run again"
-        fail(f"cannot write the final model to {path!r} ({reason(e)}): free space, then {then}")
+        fail(f"cannot write the final model to {path!r} ({reason(e)}): {write_fix(e, path)}, "
+             f"then {then}")
 
 
 def export_checkpoint(path, out_dir=None):
     """`python train.py export CHECKPOINT [OUT_DIR]`: a sharded checkpoint -> a Hugging Face model
     directory (with LoRA: the base from its model name or seed, the adapter from the checkpoint,
-    merged; the adapter in OUT/adapter)."""
+    merged; the adapter in OUT/adapter). A damaged one is one line naming what is wrong."""
+    problem = damage(path) if os.path.isdir(path) else "no such directory"
+    if problem:
+        previous = previous_whole(path) if os.path.isdir(path) else None
+        fail(f"cannot export checkpoint {path!r}: {problem}" + (
+            f"; export the previous complete one, {previous}" if previous else ""))
     with open(os.path.join(path, "trainer_state.json")) as f:
         info = json.load(f)
     if info["model"] is None:

@@ -8,13 +8,14 @@ import importlib.util
 import inspect
 import json
 import os
+import sys
 
 import torch
 from packaging.version import Version
 from transformers import get_scheduler
 
 import rloo
-from plumbing import stack
+from plumbing import distributed, stack
 from plumbing.config import Config, fail, generation_steps
 from step.sampler_rules import (FILTERS, active_filters, logit_shapers, replays_filters,
                                 sampler_logps_exact)
@@ -101,6 +102,13 @@ def check_multi_turn(cfg):
     if cfg.environment and cfg.model and not cfg.dataset and cfg.max_steps <= 0:
         fail("an --environment without --dataset owns the data (its reset() returns each "
              "prompt), which has no length to derive the number of steps from; set --max_steps")
+    own = cfg.tools or cfg.environment not in (None, "lookup", "lookup_scored")
+    if cfg.model is None and own and distributed.is_main():
+        print(f"rloo: note: {'--tools' if cfg.tools else '--environment'} on the embedded model "
+              f"(no --model): its {cfg.max_completion_length}-token turns "
+              "(--max_completion_length) and 64-token context hold, its tokenizer reads every "
+              "character but the digits and '=' as end-of-text, and its task_reward applies only "
+              "if --reward_funcs names it", file=sys.stderr)
 
 
 def check_eval(cfg):

@@ -464,7 +464,9 @@ def parse_config(argv=None):
     parser = HfArgumentParser(Config, description=DESCRIPTION, epilog=(
         f"Without --model the embedded preset applies (flags still override it): {preset}; with "
         f"--use_peft also {lora_preset}; with --environment lookup also "
-        f"{', '.join(f'{k}={v}' for k, v in EMBEDDED_LOOKUP_PRESET.items())}"))
+        f"{', '.join(f'{k}={v}' for k, v in EMBEDDED_LOOKUP_PRESET.items())}; with an "
+        "environment of your own or --tools, no reward_funcs (the environment's get_reward, or "
+        "--reward_funcs)"))
     for action in parser._actions:  # --padding_free alone is true, as when it was a plain switch
         if action.dest == "padding_free":
             action.nargs, action.const = "?", True
@@ -475,9 +477,12 @@ def parse_config(argv=None):
     cfg, stray = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
     if stray:  # argparse's own errors are one line already; a value without a flag is not
         fail(f"{' '.join(stray)}: not a flag nor a flag's value; see --help")
+    # the preset's task_reward scores the embedded task's target column: an environment of the
+    # user's (or lookup_scored) scores itself, or names its reward functions
+    own_reward = cfg.environment not in (None, "lookup") or cfg.tools
     extra = {**(EMBEDDED_LORA_PRESET if cfg.use_peft else {}),
              **(EMBEDDED_LOOKUP_PRESET if cfg.environment in ("lookup", "lookup_scored") else {}),
-             **({"reward_funcs": None} if cfg.environment == "lookup_scored" else {})}
+             **({"reward_funcs": None} if own_reward else {})}
     if not with_model and extra and not {"-h", "--help"} & set(argv):
         parser.set_defaults(**extra)
         (cfg,) = parser.parse_args_into_dataclasses(argv)

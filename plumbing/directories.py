@@ -28,6 +28,10 @@ def path_problem(value):
     path = os.path.abspath(value)
     existing = path
     while not os.path.exists(existing):  # a name too long "does not exist" either
+        if os.path.islink(existing):  # a symbolic link whose target is gone
+            return (f"cannot be made: {existing!r} is a symbolic link to "
+                    f"{os.readlink(existing)!r}, which does not exist; make that, or pass another "
+                    "directory")
         existing = os.path.dirname(existing)
     try:
         name_max = os.pathconf(existing, "PC_NAME_MAX")
@@ -53,20 +57,32 @@ def path_problem(value):
 def check_output_dir(cfg):
     """Every directory the run writes (output_dir, and the vLLM weight files' --vllm_sync_dir) can
     be made and written; no other live run writes to output_dir (rank 0 takes its lock), and it
-    holds no other run's checkpoints unless asked. Before anything loads."""
+    holds no other run's checkpoints unless asked. Before anything loads. -> what releases the
+    lock (train.main calls it as the run ends; else it goes with cfg), or None.""" 
     written = {"--output_dir": cfg.output_dir, "--vllm_sync_dir": cfg.vllm_sync_dir}
     for flag, value in written.items():
         problem = None if value is None and flag != "--output_dir" else path_problem(value)
         shown = value if len(value or "") <= 200 else f"{value[:80]}...{value[-80:]}"
         if problem:
             fail(f"{flag} {shown!r} {problem}")
-    if distributed.is_main():
-        lock_output_dir(cfg)
+    release = lock_output_dir(cfg) if distributed.is_main() else None
     if cfg.resume_from_checkpoint is None and not cfg.overwrite_output_dir and \
             checkpoint_dirs(cfg.output_dir):
         fail(f"output_dir {cfg.output_dir!r} holds another run's checkpoints; pass "
              "--resume_from_checkpoint latest to continue it, --overwrite_output_dir to replace "
              "it, or another --output_dir")
+    return release
+
+
+def resolve_paths(cfg):
+    """The paths the run writes and reads after start-up, made absolute once it has checked them:
+    user code that changes the working directory mid-run (a grader's chdir) cannot send the
+    checkpoints and the final model elsewhere."""
+    cfg.output_dir = os.path.abspath(cfg.output_dir)
+    if cfg.vllm_sync_dir:
+        cfg.vllm_sync_dir = os.path.abspath(cfg.vllm_sync_dir)
+    if cfg.resume_from_checkpoint not in (None, "latest"):
+        cfg.resume_from_checkpoint = os.path.abspath(cfg.resume_from_checkpoint)
 
 
 LOCK = "rloo.lock"  # in output_dir while a run writes there: {"pid", "host", "started", "token"}
@@ -76,8 +92,9 @@ def lock_output_dir(cfg):
     """output_dir/rloo.lock, made with O_EXCL (one process wins), names the run writing there: a
     second run would write its metrics and checkpoints over the first's. A lock whose process is
     gone from this host (killed with SIGKILL, out of memory) is stale and taken over, so a resume
-    is never blocked by its own dead run. Held while `cfg` lives (train.main's whole run) and
-    removed at exit, with the directories it made if the run left them empty."""
+    is never blocked by its own dead run. Held until the returned finalizer is called (train.main,
+    as the run ends however it ends) or `cfg` goes, then removed with the directories it made if
+    the run left them empty. -> the finalizer, or None when this process held it already."""
     directory = made = os.path.abspath(cfg.output_dir)
     while not os.path.isdir(os.path.dirname(made)):  # the first directory makedirs will make
         made = os.path.dirname(made)
@@ -91,7 +108,7 @@ def lock_output_dir(cfg):
         except FileExistsError:
             holder = read_lock(path)
         if holder is not None and ours(holder):
-            return  # taken by an earlier check in this process: it stays as it is
+            return None  # taken by an earlier check in this process: it stays as it is
         if holder is None and time.time() - mtime(path) < 5:  # being written: read it again
             time.sleep(0.1)
             continue
@@ -110,7 +127,7 @@ def lock_output_dir(cfg):
                  f"({reason(e)}); delete it")
     with os.fdopen(fd, "w") as f:
         json.dump(me, f)
-    weakref.finalize(cfg, release_lock, path, me, made)
+    return weakref.finalize(cfg, release_lock, path, me, made)
 
 
 def this_process():
@@ -177,8 +194,14 @@ def remove_lock(path, holder):
 
 def release_lock(path, me, made=None):
     """The lock removed, and the directories the check made (output_dir up to `made`) while they
-    are empty: a run that failed before writing anything leaves nothing behind."""
-    remove_lock(path, me)
+    are empty: a run that failed before writing anything leaves nothing behind. A directory that
+    went read-only (or away) keeps it: the next run takes a dead run's lock over."""
+    try:
+        remove_lock(path, me)
+    except OSError as e:
+        print(f"rloo: note: cannot remove the lock {path} ({reason(e)}); the next run in this "
+              "directory takes it over", file=sys.stderr)
+        return
     directory = os.path.dirname(path)
     while made and directory.startswith(made):
         try:

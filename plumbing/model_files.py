@@ -9,6 +9,8 @@ import os
 import sys
 import zipfile
 
+import torch
+
 from plumbing import distributed
 from step.prompting import eos_token_ids
 
@@ -136,6 +138,12 @@ def load_weights(auto_class, name, **kwargs):
         return model, (f"{len(missing)} parameter(s) of {type(model).__name__} are not in the "
                        f"checkpoint (e.g. {missing[0]}) and would start at random; copy the "
                        "weights again, or pass the directory they belong to")
+    # NaN or inf weights would only show as every gradient NaN, blamed on rewards or the rate
+    broken = next((key for key, p in model.named_parameters()
+                   if p.is_floating_point() and not torch.isfinite(p).all()), None)
+    if broken is not None:
+        return model, (f"its weights hold NaN or inf values (e.g. in {broken}): they were saved "
+                       "from a run that diverged, or the files are damaged; load sound weights")
     notes = {"are not used by": info["unexpected_keys"],
              "are initialised at random (--model_init_kwargs ignore_mismatched_sizes) in":
              [key for key, _, _ in mismatched]}

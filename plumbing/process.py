@@ -16,6 +16,7 @@ loggers (main registers those two here), the slow reward call's watcher. One run
 (RUNNING).
 """
 
+import atexit
 import contextlib
 import gc
 import logging
@@ -24,6 +25,7 @@ import random
 import signal
 import sys
 import threading
+import traceback
 import warnings
 
 import numpy as np
@@ -173,3 +175,40 @@ def lent():
         if reward_calls.WATCHER[0] is not watcher:  # the thread that warns of a slow reward call
             reward_calls.stop_watching()
         gc.collect()  # the run's models and their FSDP2 process groups, whose gloo threads join
+
+
+@contextlib.contextmanager
+def command_line():
+    """`python train.py` from start to exit. A non-daemon thread user code left running (a reward's
+    metrics flusher) would keep the interpreter from exiting after the run, holding a batch job's
+    allocation until its wall time: name it, and exit without waiting for it."""
+    try:
+        yield
+    except BaseException as error:
+        leave_threads(error)
+        raise
+    leave_threads(None)
+
+
+def leave_threads(error):
+    """The exit as the interpreter's would be, without waiting for non-daemon threads alive."""
+    left = [t for t in threading.enumerate() if t.is_alive() and not t.daemon
+            and t is not threading.main_thread()]
+    if not left:
+        return
+    code = 0 if error is None else 130 if isinstance(error, KeyboardInterrupt) else 1
+    if isinstance(error, SystemExit):
+        code = error.code if isinstance(error.code, int) else 0 if error.code is None else 1
+        if not isinstance(error.code, (int, type(None))):
+            print(error.code, file=sys.stderr)
+    elif error is not None:
+        traceback.print_exception(error)
+    names = ", ".join(f"{t.name!r}" + (f" (started by {user_code.STARTED[t]})"
+                                        if t in user_code.STARTED else "") for t in left)
+    print(f"rloo: WARNING: thread {names} still running, not a daemon: exiting without waiting "
+          "for it (make it a daemon, or end it, to keep it from holding the process)",
+          file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()
+    os._exit(code)

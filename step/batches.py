@@ -34,7 +34,7 @@ from plumbing import distributed
 from step import data
 from plumbing.config import fail
 from step.metrics import timed
-from step.prompting import pad
+from step.prompting import pad, repeat_each
 
 
 @dataclass
@@ -69,6 +69,12 @@ class Rollout:
     turns: list | None = None
     turn_stats: dict | None = None
     environments: list | None = None  # B environment objects, TRL's `environments` argument
+    prompts: list | None = None  # B prompts as environments' reset() gave them (None: the rows')
+
+    def shown_prompts(self):
+        """The B prompts the model was given, for the samples printed and the completions table."""
+        G = len(self.completion_lists) // len(next(iter(self.rows.values())))
+        return self.prompts or repeat_each(self.rows["prompt"], G)
 
     def model_tokens(self):
         """[B, T] the completion tokens the model sampled: the only ones in s_i, the KL, the
@@ -133,13 +139,15 @@ class BatchSource:
     generator: rollout.DecodeLoop or vllm_rollout.VLLMGenerator; saved: state() of the checkpoint
     resumed from ({} at the start)."""
 
-    def __init__(self, cfg, generator, dataset, rewards, pad_id, saved):
-        self.cfg, self.generator, self.rewards, self.pad_id = cfg, generator, rewards, pad_id
+    def __init__(self, cfg, generator, dataset, rewards, tokenizer, saved):
+        self.cfg, self.generator, self.rewards = cfg, generator, rewards
+        self.pad_id = tokenizer.pad_token_id
         self.position = saved.get("position", 0)
         self.per_epoch = data.steps_per_epoch(dataset, cfg)  # prompt batches; None: a stream
         self.read = hashlib.sha256()  # a stream's prompts this rank has read (data.prompt_batches)
         self.prompts = data.prompt_batches(dataset, cfg, self.position, self.read)
         self.identity = data.identity(dataset)  # a dataset's rows; None for a stream
+        self.seen = data.seen(dataset, tokenizer, cfg)  # its first prompts' token ids
         if cfg.resume_from_checkpoint:
             data.check_same_data(cfg, saved.get("data"), self.data(), self.position)
         # (rollout or its future, the step whose weights sampled it) of async generation
@@ -186,7 +194,8 @@ class BatchSource:
     def data(self):
         """What identifies the data at this position (data.identity; a stream: the hash of the rows
         each rank has read, every rank's)."""
-        return self.identity or {"stream": distributed.gather_objects(self.read.hexdigest()[:16])}
+        read = self.identity or {"stream": distributed.gather_objects(self.read.hexdigest()[:16])}
+        return {**read, "seen": self.seen}
 
     def state(self):
         self.wait_for_in_flight()

@@ -87,7 +87,17 @@ def check_images(dataset, cfg):
     prompting.row_images({k: [v] for k, v in first.items()})
 
 
-DATA_FILE_TYPES = (".json", ".jsonl", ".parquet", ".csv")
+DATA_FILE_TYPES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4")  # a json/csv file in these, read as it is
+
+
+def file_kind(path):
+    """The `datasets` builder of a data file by its name (data.jsonl.gz: json), or None."""
+    stem, suffix = os.path.splitext(path)
+    if suffix in COMPRESSED:
+        stem, suffix = os.path.splitext(stem)
+        return {".parquet": None}.get(suffix, DATA_FILE_TYPES.get(suffix))
+    return DATA_FILE_TYPES.get(suffix)
 
 
 def load_data(cfg, split, streaming=None, path=None):
@@ -99,18 +109,19 @@ def load_data(cfg, split, streaming=None, path=None):
 
     path = cfg.dataset if path is None else path
     streaming = cfg.streaming if streaming is None else streaming
-    if not os.path.exists(path) and (os.path.splitext(path)[1] in DATA_FILE_TYPES
-                                     or path.startswith((".", "/"))):
+    if not os.path.exists(path) and (file_kind(path) or path.startswith((".", "/"))):
         fail(f"dataset file {path!r} does not exist (looked from {os.getcwd()!r}); check the path")
+    if os.path.isfile(path) and not file_kind(path):
+        fail(f"dataset file {path!r} is of no type rloo reads: give a .json, .jsonl, .parquet or "
+             f".csv file (json and csv also compressed: {', '.join(COMPRESSED)})")
     if os.path.isdir(path) and os.path.exists(os.path.join(path, "config.json")):
         fail(f"--dataset {path!r} is a model directory (it holds config.json); pass a dataset")
     if os.path.isfile(path):
         check_text_file(path)
     try:
         if os.path.isfile(path):
-            kind = {".jsonl": "json"}.get(os.path.splitext(path)[1],
-                                          os.path.splitext(path)[1].lstrip("."))
-            dataset = datasets.load_dataset(kind, data_files=path, split=split, streaming=streaming)
+            dataset = datasets.load_dataset(file_kind(path), data_files=path, split=split,
+                                            streaming=streaming)
         elif os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json")):
             dataset = datasets.load_from_disk(path)
         elif os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_dict.json")):
@@ -199,7 +210,8 @@ def check_chat_template(prompts, tokenizer, name, where):
     """Conversational prompts need the tokenizer's chat template."""
     row = next((i for i, p in enumerate(prompts) if prompting.is_conversational(p)), None)
     if row is not None and not getattr(tokenizer, "chat_template", None):
-        fail(f"{where} row {row}: the prompt is a conversation but {name!r} has no chat template; "
+        model = "the embedded model (no --model)" if name is None else repr(name)
+        fail(f"{where} row {row}: the prompt is a conversation but {model} has no chat template; "
              "use a chat (Instruct) model, add a chat_template to its tokenizer_config.json, or "
              "give plain string prompts")
 
@@ -354,9 +366,11 @@ def check_data(dataset, tokenizer, processor, model, cfg, where="dataset"):
         first = [next(iter(dataset))["prompt"]]
         check_chat_template(first, processor or tokenizer, cfg.model, "stream")
         check_roles(first, processor or tokenizer, cfg, "stream")
+        check_representable(first, tokenizer, cfg, "stream")
         return
     prompts = prompt_column(dataset)
     check_chat_template(prompts, processor or tokenizer, cfg.model, where)
+    check_representable(prompts[:64], tokenizer, cfg, where)
     if processor is None:  # image tokens are only counted once the processor has the images
         check_prompt_lengths(prompts, tokenizer, model, cfg, where)
     check_roles(prompts, processor or tokenizer, cfg, where)
@@ -364,6 +378,28 @@ def check_data(dataset, tokenizer, processor, model, cfg, where="dataset"):
     if where == "dataset" and len(dataset) < needed:
         fail(f"dataset has {len(dataset)} rows but one step needs {needed} prompts; "
              "lower per_device_train_batch_size or steps_per_generation")
+
+
+def check_representable(prompts, tokenizer, cfg, where):
+    """Prompts in characters the tokenizer reads as its unknown token: mostly so is a model that
+    would train on prompts it cannot read (the embedded model given English questions), one line;
+    a few, one warning."""
+    for i, prompt in enumerate(prompts):
+        text = prompting.message_text(prompt) if not prompting.is_token_ids(prompt) else ""
+        lost = prompting.unrepresented(tokenizer, text)
+        if not lost:
+            continue
+        token = tokenizer.convert_ids_to_tokens(prompting.unknown_token(tokenizer))
+        said = (f"{where} row {i}: the tokenizer reads {len(lost)} of its prompt's {len(text)} "
+                f"characters ({''.join(dict.fromkeys(lost))[:24]!r}) as its unknown token "
+                f"{token!r}")
+        fix = ("without --model the embedded model knows only the digits and '=': pass --model "
+               "for this dataset" if cfg.model is None else "use a tokenizer that covers them")
+        if 2 * len(lost) >= len(text):
+            fail(f"{said}: the model would learn from prompts it cannot read; {fix}")
+        if distributed.is_main():
+            print(f"rloo: WARNING: {said}; {fix}", file=sys.stderr)
+        return
 
 
 def prompts_per_rank(cfg):
@@ -467,6 +503,18 @@ def identity(dataset):
     return {"rows": len(dataset), "prompts": digest.hexdigest()[:16]}
 
 
+def seen(dataset, tokenizer, cfg):
+    """A hash of the first prompts' token ids as the model sees them (the tokenizer and its chat
+    template applied): a resume checks them, as the rows, against its checkpoint's run. None for
+    prompts with images (their processor renders them)."""
+    prompts = [row.get("prompt") for row in itertools.islice(iter(dataset), 8)]
+    parts = [m.get("content") for p in prompts if prompting.is_conversational(p) for m in p]
+    if not prompts or None in prompts or not all(isinstance(c, str) for c in parts):
+        return None  # an environment's prompts, or images
+    ids = prompting.tokenize_prompts(tokenizer, prompts, cfg.chat_template_kwargs)
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
+
+
 def data_change(saved, now):
     """How the data differs from what a checkpoint recorded (identity, or a stream's {"stream": the
     hash of each rank's rows read}), or None."""
@@ -479,12 +527,25 @@ def data_change(saved, now):
         return f"a stream split over {then} processes then, {since} now"
     if "stream" in now:
         same = saved["stream"] == now["stream"]
-        return None if same else "the stream's rows up to the data position differ from that run's"
+        return seen_change(saved, now) if same else \
+            "the stream's rows up to the data position differ from that run's"
     if saved["rows"] != now["rows"]:
         return f"{saved['rows']} rows then, {now['rows']} now"
     if saved["prompts"] != now["prompts"]:
         return f"the same {now['rows']} rows, with prompts reordered or edited"
+    return seen_change(saved, now)
+
+
+def seen_change(saved, now):
+    """The same rows, seen otherwise by the model (a checkpoint from before it was recorded: not
+    checked)."""
+    if saved.get("seen") and now.get("seen") and saved["seen"] != now["seen"]:
+        return RENDERED
     return None
+
+
+RENDERED = ("the same rows, tokenized otherwise: the model directory's tokenizer or chat template "
+            "differ from the run's")
 
 
 def check_same_data(cfg, saved, now, position):
@@ -500,6 +561,11 @@ def check_same_data(cfg, saved, now, position):
     change = data_change(saved, now)
     if change is None:
         return
+    if not cfg.accept_data_change and change == RENDERED:
+        fail(f"--resume_from_checkpoint {cfg.resume_from_checkpoint}: {change}, so the policy "
+             "would go on learning from prompts it sees otherwise. Resume with the tokenizer and "
+             "template it was written with; or start afresh; or go on as they are now: "
+             "--accept_data_change")
     if not cfg.accept_data_change:
         fail(f"--resume_from_checkpoint {cfg.resume_from_checkpoint}: the data changed since the "
              f"checkpoint ({change}), so data position {position} would repeat or skip prompts of "

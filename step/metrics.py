@@ -341,7 +341,7 @@ def completions_table(step, batch, scores, rewards, log_multimodal=True):
     """--log_completions: (columns, rows) of (step, prompt, completion, each reward, the columns
     reward functions added with log_extra, advantage, and with images the row's first image)."""
     G = len(batch.completion_lists) // len(batch.rows["prompt"])
-    prompts = repeat_each(batch.rows["prompt"], G)
+    prompts = batch.shown_prompts()
     extra = batch.logged_columns
     images = [None] * len(prompts)
     if log_multimodal and batch.pixel_inputs is not None:
@@ -375,5 +375,5 @@ def show_samples(title, batch, scores, G, n=3):
         return
     tqdm.write(f"--- {title} ---")  # tqdm.write keeps the progress bar intact
     rewards = scores.rewards_per_func.nansum(-1).tolist()
-    for p, c, r in list(zip(repeat_each(batch.rows["prompt"], G), batch.texts, rewards))[:n]:
+    for p, c, r in list(zip(batch.shown_prompts(), batch.texts, rewards))[:n]:
         tqdm.write(f"  {p!r} -> {c!r}  reward={r:.2f}")

@@ -125,6 +125,33 @@ def encode_prompts(tokenizer, prompts, chat_template_kwargs=None):
     return [next(ids[s]) for s in standard]
 
 
+def unknown_token(tokenizer):
+    """The id a tokenizer gives what it cannot represent (its unk token: the embedded task's
+    turns every character but the digits and '=' into end-of-text), or None (a byte-level one
+    represents anything)."""
+    backend = getattr(getattr(tokenizer, "backend_tokenizer", None), "model", None)
+    name = tokenizer.unk_token or getattr(backend, "unk_token", None)
+    return None if name is None else tokenizer.convert_tokens_to_ids(name)
+
+
+def unrepresented(tokenizer, text):
+    """The characters of `text` the tokenizer reads as its unknown token, in order (none where it
+    has no such token)."""
+    unknown = unknown_token(tokenizer)
+    if unknown is None or not hasattr(tokenizer, "backend_tokenizer"):
+        return ""
+    encoded = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False)
+    return "".join(text[start:end] for i, (start, end) in zip(encoded.ids, encoded.offsets)
+                   if i == unknown)
+
+
+def message_text(prompt):
+    """What the user wrote of a prompt: the text, or its messages' string contents."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(m["content"] for m in prompt if isinstance(m.get("content"), str))
+
+
 def completion_texts(tokenizer, lists):
     """batch_decode(lists, skip_special_tokens=True), each distinct completion decoded once: a
     group's completions repeat once the policy agrees (8x fewer decodes on the embedded task)."""

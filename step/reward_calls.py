@@ -22,7 +22,7 @@ import torch
 from transformers import TrainerState
 
 from options import tools
-from plumbing import distributed
+from plumbing import distributed, user_code
 
 
 def reward_name(func):
@@ -65,8 +65,8 @@ def _validate(name, values, n):
         raise RewardError(f"reward function {name!r} returned a {type(values).__name__} without "
                           "awaiting it: declare it (or its __call__) `async def`, so the trainer "
                           "awaits it")
-    if isinstance(values, torch.Tensor):
-        values = values.tolist()
+    if isinstance(values, torch.Tensor) or type(values).__module__ == "numpy":
+        values = values.tolist()  # a 0-d one becomes a number: refused below, by its kind
     if not hasattr(values, "__len__") or isinstance(values, (str, dict)) or len(values) != n:
         sized = hasattr(values, "__len__") and not isinstance(values, (str, dict))
         got = f"length {len(values)}" if sized else type(values).__name__
@@ -74,6 +74,9 @@ def _validate(name, values, n):
                           f"completion), got {got}")
     out = []
     for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor) and v.dim() == 0 or type(v).__module__ == "numpy" and \
+                getattr(v, "ndim", None) == 0:
+            v = v.item()  # a 0-d tensor or array per completion, as TRL's torch.tensor(list) takes
         if v is None:
             out.append(math.nan)
         elif isinstance(v, numbers.Real) and abs(v) <= FLOAT32_MAX:  # bools: True is 1.0, as TRL
@@ -248,7 +251,8 @@ def guarded(name, at, call):
     after the function's own traceback; a timeout or a signal while it runs is one too."""
     calling[0] = True
     try:
-        return call()
+        with user_code.taken_back(f"reward function {name!r}"):
+            return call()
     except Interrupted as e:
         raise RewardError(f"{e} while reward function {name!r} was running{at}, which did not "
                           "return within 10 s of it: stopped") from None

@@ -2,13 +2,27 @@
 
 import contextlib
 import importlib.util
+import io
 import json
+import os
 import string
 import subprocess
+import sys
 import threading
 
 import pytest
 import torch
+
+def pytest_configure(config):
+    """Two test processes on two cores (pytest.ini's -n 2): each works on one thread, and so does each run it starts
+    (OMP_NUM_THREADS=1 where a test sets no other). torch's threads spin while they wait: two processes of two threads
+    on two cores took test_the_arithmetic_recipe_on_the_real_model 250 s, 44 s alone."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        torch.set_num_threads(threads)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+
 
 def requires_vllm(test):
     """A test that needs vLLM: marked `vllm` (CI's second stage selects them with -m vllm), skipped without it."""
@@ -251,3 +265,24 @@ def drained(proc, timeout=None):
         for reader in proc.readers:
             reader.join()
     return tuple("".join(lines) for lines in proc.printed)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def in_process(args):
+    """`python train.py ARGS` as train.main(ARGS) in this process -> CompletedProcess: what it printed, and the exit
+    code a fresh process would have (a bad input's one line, domains.Failed, on stderr with code 1). For a run that
+    stops at start-up or needs no process of its own: a fresh interpreter spends about 5 s importing torch and
+    transformers before it reads a flag (test_train's command-line test runs those end to end)."""
+    import train
+
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            train.main(args)
+        except SystemExit as e:  # Failed, or argparse's --help (0) and its usage errors (2)
+            code = e.code if isinstance(e.code, int) else 1
+            if not isinstance(e.code, int) and e.code is not None:
+                print(e.code, file=sys.stderr)
+    return subprocess.CompletedProcess(["train.py", *args], code, out.getvalue(), err.getvalue())

@@ -8,6 +8,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -21,7 +22,7 @@ import rewards
 import train
 from plumbing import checks, config, directories
 from step import batches, data
-from conftest import drained, read_only_mount, start_drained
+from conftest import drained, in_process, read_only_mount, start_drained
 from test_train import FAST, read_metrics, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -293,7 +294,7 @@ def test_a_streaming_dataset_with_an_eval_split_evaluates(tmp_path):
     """It trained until the first evaluation, then len() of the stream raised: the eval split loads whole."""
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"{i}{i}=", "target": f"{i}{i}"}) + "\n"
                                                  for i in range(10)))
-    out = run(["--dataset", str(tmp_path / "data.jsonl"), "--streaming", "--eval_split", "train", "--eval_steps", "2",
+    out = in_process(["--dataset", str(tmp_path / "data.jsonl"), "--streaming", "--eval_split", "train", "--eval_steps", "2",
                "--max_steps", "2", "--per_device_train_batch_size", "8", "--num_generations", "4", "--logging_steps",
                "1", "--output_dir", str(tmp_path / "run")])
     assert out.returncode == 0, out.stderr[-2000:]
@@ -408,7 +409,7 @@ def no_traceback(out):
 
 def test_a_reward_that_exits_does_not_end_the_run_silently(tmp_path):
     rewards_py = reward_file(tmp_path, "import sys\ndef bye(completions, **kw):\n    sys.exit(0)\n")
-    out = run(FAST + ["--reward_funcs", f"{rewards_py}:bye", "--output_dir", str(tmp_path / "run")])
+    out = in_process(FAST + ["--reward_funcs", f"{rewards_py}:bye", "--output_dir", str(tmp_path / "run")])
     assert out.returncode != 0 and "reward function 'bye' raised at step 0: it called sys.exit(0)" in out.stderr
     assert not (tmp_path / "run" / "model.safetensors").exists()
 
@@ -431,7 +432,7 @@ def test_sigterm_stops_a_reward_that_never_returns(tmp_path):
 
 def test_rewards_that_score_nothing_warn_then_stop(tmp_path):
     rewards_py = reward_file(tmp_path, "def never(completions, **kw):\n    return [None] * len(completions)\n")
-    out = run(FAST[:1] + ["5"] + FAST[2:] + ["--reward_funcs", f"{rewards_py}:never", "--output_dir",
+    out = in_process(FAST[:1] + ["5"] + FAST[2:] + ["--reward_funcs", f"{rewards_py}:never", "--output_dir",
                                              str(tmp_path / "run")])
     assert out.returncode != 0 and out.stderr.count("every reward function returned None") == 1
     assert "3 batches in a row were scored by no reward function" in out.stderr
@@ -442,7 +443,7 @@ def test_a_run_that_trained_nothing_exits_non_zero_and_saves_no_model(tmp_path):
     """Rewards of +-3e38 make every gradient inf: each step is skipped; 2 steps < max_nonfinite_steps (3)."""
     rewards_py = reward_file(tmp_path, "def huge(completions, **kw):\n"
                                        "    return [3e38 if i % 2 else -3e38 for i in range(len(completions))]\n")
-    out = run(FAST[:1] + ["2"] + FAST[2:] + ["--reward_funcs", f"{rewards_py}:huge", "--output_dir",
+    out = in_process(FAST[:1] + ["2"] + FAST[2:] + ["--reward_funcs", f"{rewards_py}:huge", "--output_dir",
                                              str(tmp_path / "run")])
     assert out.returncode != 0 and "none of the 2 optimizer steps updated the weights" in out.stderr
     assert not (tmp_path / "run" / "model.safetensors").exists()
@@ -485,7 +486,7 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_last_one(tmp_
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)], capture_output=True).returncode:
         pytest.skip("cannot mount a small tmpfs here (needs root) to fill")
     try:
-        out = run(FAST[:1] + ["6"] + FAST[2:] + ["--save_steps", "2", "--output_dir", str(disk / "run")])
+        out = in_process(FAST[:1] + ["6"] + FAST[2:] + ["--save_steps", "2", "--output_dir", str(disk / "run")])
         assert out.returncode != 0 and "No space left on device" in out.stderr, out.stderr[-2000:]
         assert "the last complete checkpoint, " in out.stderr and "checkpoint-2, is intact" in out.stderr
         assert sorted(os.listdir(disk / "run")) == ["checkpoint-2", "metrics.jsonl"]  # no .tmp left behind
@@ -498,7 +499,7 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_last_one(tmp_
 def checkpoints(tmp_path_factory):
     """A finished run with checkpoints 2, 4 and 6, copied afresh for each damage."""
     out = tmp_path_factory.mktemp("ckpt") / "run"
-    done = run(FAST[:1] + ["6"] + FAST[2:] + ["--save_steps", "2", "--output_dir", str(out)])
+    done = in_process(FAST[:1] + ["6"] + FAST[2:] + ["--save_steps", "2", "--output_dir", str(out)])
     assert done.returncode == 0, done.stderr[-2000:]
     return out
 
@@ -516,12 +517,12 @@ def test_a_damaged_checkpoint_is_one_line_and_latest_passes_over_it(tmp_path, ch
     run_dir = tmp_path / "run"
     shutil.copytree(checkpoints, run_dir)
     DAMAGE[damage](run_dir / "checkpoint-6")
-    explicit = run(FAST[:1] + ["8"] + FAST[2:] + ["--output_dir", str(run_dir), "--resume_from_checkpoint",
+    explicit = in_process(FAST[:1] + ["8"] + FAST[2:] + ["--output_dir", str(run_dir), "--resume_from_checkpoint",
                                                   str(run_dir / "checkpoint-6")])
     assert explicit.returncode != 0 and f"checkpoint '{run_dir / 'checkpoint-6'}' is damaged" in explicit.stderr
     assert f"--resume_from_checkpoint {run_dir / 'checkpoint-4'}" in explicit.stderr
     no_traceback(explicit)
-    latest = run(FAST[:1] + ["8"] + FAST[2:] + ["--output_dir", str(run_dir), "--resume_from_checkpoint", "latest"])
+    latest = in_process(FAST[:1] + ["8"] + FAST[2:] + ["--output_dir", str(run_dir), "--resume_from_checkpoint", "latest"])
     assert latest.returncode == 0, latest.stderr[-2000:]
     assert "checkpoint-6 is damaged" in latest.stderr and "resumed from" in latest.stdout
     assert "checkpoint-4 at step 4" in latest.stdout
@@ -530,7 +531,7 @@ def test_a_damaged_checkpoint_is_one_line_and_latest_passes_over_it(tmp_path, ch
 def test_resuming_with_other_flags_says_which_take_effect(tmp_path, checkpoints):
     run_dir = tmp_path / "run"
     shutil.copytree(checkpoints, run_dir)
-    out = run(FAST[:1] + ["8"] + FAST[2:] + ["--output_dir", str(run_dir), "--resume_from_checkpoint", "latest",
+    out = in_process(FAST[:1] + ["8"] + FAST[2:] + ["--output_dir", str(run_dir), "--resume_from_checkpoint", "latest",
                                              "--learning_rate", "0.5", "--beta", "0.3"])
     assert out.returncode == 0, out.stderr[-2000:]
     assert "learning_rate 0.001 -> 0.5 (the checkpoint value stays)" in out.stderr
@@ -538,11 +539,105 @@ def test_resuming_with_other_flags_says_which_take_effect(tmp_path, checkpoints)
     assert all(m["learning_rate"] == pytest.approx(1e-3) for m in read_metrics(run_dir) if m["step"] > 6)
 
 
+# ------------------------------------------------------------------------------------------------ a resume, a model or a
+# budget that does not match what the user meant (issue 63, class 3): checked at start-up, or said in the closing line
+
+@pytest.mark.parametrize("steps, says", [
+    ("6", "the checkpoint is at step 6 and this run ends at step 6 (--max_steps 6): nothing is left to train"),
+    ("4", "the checkpoint is at step 6 and this run ends at step 4 (--max_steps 4)"),  # the issue's two
+])
+def test_a_resume_with_no_steps_left_is_one_line(tmp_path, checkpoints, steps, says):
+    run_dir = tmp_path / "run"
+    shutil.copytree(checkpoints, run_dir)
+    out = in_process(FAST[:1] + [steps] + FAST[2:] + ["--output_dir", str(run_dir), "--resume_from_checkpoint",
+                                                    "latest"])
+    assert out.returncode == 1 and says in out.stderr and "python train.py export" in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("edit", ["chat template", "tokenizer vocabulary"])  # the issue's, and ours
+def test_a_resume_whose_model_directory_renders_the_prompts_otherwise_is_one_line(tmp_path, chat_model_dir, edit):
+    model = tmp_path / "model"
+    shutil.copytree(chat_model_dir, model)
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{i}+{i}"}]}) + "\n"
+                                              for i in range(64)))
+    args = ["--model", str(model), "--dataset", str(tmp_path / "d.jsonl"), "--reward_funcs", "think_format_reward",
+            "--output_dir", str(tmp_path / "run"), "--save_steps", "2", "--per_device_train_batch_size", "8",
+            "--num_generations", "2", "--max_completion_length", "4"]
+    assert in_process(args + ["--max_steps", "2"]).returncode == 0
+    if edit == "chat template":
+        template = model / "chat_template.jinja"
+        template.write_text(template.read_text().replace("<|im_start|>assistant", "<|im_start|>assistantX"))
+    else:  # the digits' ids swapped
+        vocab = json.loads((model / "tokenizer.json").read_text())
+        table = vocab["model"]["vocab"]
+        table["1"], table["2"] = table["2"], table["1"]
+        (model / "tokenizer.json").write_text(json.dumps(vocab))
+    out = in_process(args + ["--max_steps", "4", "--resume_from_checkpoint", "latest"])
+    assert out.returncode == 1 and "tokenized otherwise: the model directory's tokenizer or chat template differ" \
+        in out.stderr, out.stderr[-2000:]
+    out = in_process(args + ["--max_steps", "4", "--resume_from_checkpoint", "latest", "--accept_data_change"])
+    assert out.returncode == 0 and "WARNING: the data changed since the checkpoint (the same rows, tokenized" in \
+        out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("prompt, fails", [
+    ("What is {i} plus {i}?", True),  # the issue's: English on the embedded digit model
+    ("{i:04d} =", False),  # ours: one character of five unknown, a warning
+    ("Quanto fa {i} più {i}?", True),  # ours: another language, the same
+])
+def test_prompts_the_tokenizer_cannot_read_are_said_at_start_up(tmp_path, prompt, fails):
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"prompt": prompt.format(i=i), "target": f"{i:04d}"}) + "\n"
+                                              for i in range(200)))
+    out = in_process(["--dataset", str(tmp_path / "d.jsonl"), "--max_steps", "1", "--output_dir", str(tmp_path / "r")])
+    said = "as its unknown token '<eos>'"
+    assert said in out.stderr and "without --model the embedded model knows only the digits" in out.stderr
+    assert (out.returncode == 1) == fails and ("would learn from prompts it cannot read" in out.stderr) == fails
+
+
+def test_a_model_with_non_finite_weights_is_one_line_at_start_up(tmp_path):
+    from step import data
+    model, tokenizer, dataset = data.embedded_task(0)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.q_proj.weight[0, 0] = float("inf")
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    dataset.select(range(64)).to_json(tmp_path / "d.jsonl")
+    out = in_process(["--model", str(tmp_path / "m"), "--dataset", str(tmp_path / "d.jsonl"), "--reward_funcs",
+                      "task_reward", "--output_dir", str(tmp_path / "r")])
+    assert out.returncode == 1 and "weights hold NaN or inf values (e.g. in model.layers.1.self_attn.q_proj" in \
+        out.stderr, out.stderr[-2000:]
+
+
+def test_a_run_stopped_by_its_time_budget_says_so_in_its_last_line(tmp_path):
+    out = in_process(["--max_train_minutes", "0.02", "--output_dir", str(tmp_path / "r")])
+    last = out.stdout.strip().splitlines()[-1]
+    assert out.returncode == 0 and re.search(r"--max_train_minutes 0.02 spent at step \d+ of 500; metrics in", last), \
+        last
+
+
+def test_an_environment_of_the_users_on_the_embedded_model_says_what_holds(tmp_path):
+    """The embedded preset's task_reward is not added to an environment that scores itself; its turn length and
+    tokenizer are said at start-up, text the tokenizer cannot read once, and the samples show the prompt reset()
+    gave the model, not the dataset row."""
+    (tmp_path / "env.py").write_text(
+        "class Echo:\n    def __init__(self, row):\n        self.row = row\n    def reset(self):\n"
+        "        return 'Copy ' + self.row['target'] + '='\n    def step(self, text):\n        return 'ok', True\n"
+        "    def get_reward(self):\n        return 0.5\n\n\ndef make_env(row):\n    return Echo(row)\n")
+    out = in_process(["--environment", f"{tmp_path / 'env.py'}:make_env", "--max_steps", "2", "--logging_steps", "1",
+                      "--output_dir", str(tmp_path / "r")])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "--environment on the embedded model (no --model): its 5-token turns" in out.stderr
+    assert out.stderr.count("the tokenizer reads 5 characters of the environment's text ('Copy ')") == 1
+    logged = read_metrics(tmp_path / "r")[-1]
+    assert "rewards/task_reward/mean" not in logged and logged["reward"] == pytest.approx(0.5)
+    assert re.search(r"'Copy \d{4}=' -> ", out.stderr + out.stdout)
+
+
 def test_save_total_limit_never_deletes_the_checkpoint_just_written(tmp_path, checkpoints):
     """Resumed from checkpoint-2 of a run that got to 6: the new checkpoint-4 is the one kept, not the older run's 6."""
     run_dir = tmp_path / "run"
     shutil.copytree(checkpoints, run_dir)
-    out = run(FAST[:1] + ["4"] + FAST[2:] + ["--output_dir", str(run_dir), "--save_steps", "2", "--save_total_limit",
+    out = in_process(FAST[:1] + ["4"] + FAST[2:] + ["--output_dir", str(run_dir), "--save_steps", "2", "--save_total_limit",
                                              "1", "--resume_from_checkpoint", str(run_dir / "checkpoint-2")])
     assert out.returncode == 0, out.stderr[-2000:]
     assert sorted(p for p in os.listdir(run_dir) if p.startswith("checkpoint")) == ["checkpoint-4"]

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 import rewards
 import train
 from plumbing import directories, models
-from conftest import build_chat_model, read_only_mount
+from conftest import ROOT, build_chat_model, read_only_mount
 
 
 @pytest.fixture(scope="module")
@@ -266,6 +266,12 @@ PATH_CASES = {  # name: (flags, given tmp_path; what the line must say)
                                           "--vllm_sync_dir"),
     "vllm_sync_dir a file": (lambda t: ["--output_dir", str(t / "run"), "--vllm_sync_dir", a_file(t)],
                              "is a file; pass a directory"),
+    "output_dir under a dangling symlink (issue 63)": (
+        lambda t: [os.symlink(t / "gone", t / "link"), "--output_dir", str(t / "link" / "run")][1:],
+        "is a symbolic link to"),
+    "vllm_sync_dir a dangling symlink": (  # ours
+        lambda t: [os.symlink(t / "gone", t / "sync"), "--output_dir", str(t / "run"), "--vllm_sync_dir",
+                   str(t / "sync")][1:], "which does not exist; make that, or pass another directory"),
 }
 
 
@@ -391,3 +397,102 @@ def test_weights_of_another_shape_load_when_the_user_asks_and_say_so(model_dirs,
     edit_json(d / "config.json", intermediate_size=128)
     models.load_model(str(d), init_kwargs={"ignore_mismatched_sizes": True})
     assert "6 weights of the checkpoint are initialised at random" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ file systems failing
+# under a run (issue 63, class 2): one line naming the path and the cause, nothing already saved lost
+
+TINY = ["--max_steps", "4", "--logging_steps", "1", "--per_device_train_batch_size", "16", "--num_generations", "4"]
+
+
+def run_cli(args, preexec_fn=None):
+    return subprocess.run([sys.executable, "train.py", *TINY, *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300, preexec_fn=preexec_fn, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_an_output_dir_turned_read_only_mid_run_is_one_line_without_a_traceback(tmp_path):
+    """Issue: the output directory turns read-only after the first checkpoint (a reward does it at its third call:
+    a read-only copy of it mounted over it, as a remount would, which Linux refuses while metrics.jsonl is open): the
+    next checkpoint is one line with the cause (not a full disk), checkpoint-2 stays, and the lock's cleanup adds no
+    'Exception ignored' traceback."""
+    disk, snapshot = tmp_path / "disk", tmp_path / "snapshot"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    run = disk / "run"
+    turn_read_only = f"cp -a {run} {snapshot} && mount -t tmpfs tmpfs {run} && cp -a {snapshot}/. {run} && " \
+                     f"mount -o remount,ro {run}"
+    try:
+        (tmp_path / "r.py").write_text(
+            "import subprocess\nfrom rewards import task_reward\ncalls = [0]\ndef score(**kw):\n    calls[0] += 1\n"
+            f"    if calls[0] == 3:\n        subprocess.run({turn_read_only!r}, shell=True, check=True)\n"
+            "    return task_reward(**kw)\n")
+        out = run_cli(["--save_steps", "2", "--reward_funcs", f"{tmp_path / 'r.py'}:score", "--output_dir", str(run)])
+        assert out.returncode == 1 and "Traceback" not in out.stderr and "Exception ignored" not in out.stderr
+        last = out.stderr.strip().splitlines()[-1]
+        assert f"cannot write {disk / 'run' / 'checkpoint-4'}" in last and "Read-only file system" in last, last
+        assert "the filesystem is read-only now" in last and "checkpoint-2, is intact" in last, last
+        assert "free disk space" not in last.lower()
+        assert (disk / "run" / "checkpoint-2" / "manifest.json").exists()
+    finally:
+        subprocess.run(["umount", str(run)], capture_output=True)
+        subprocess.run(["umount", str(disk)])
+
+
+def test_a_final_model_over_the_file_size_limit_is_one_line(tmp_path):
+    """Issue: safetensors' own error (SafetensorError, not an OSError) for a model.safetensors past RLIMIT_FSIZE: one
+    line with the cause and the fix; a checkpoint past it (torch's zip writer: 'unexpected pos', no errno) too."""
+    import resource
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000))  # noqa: E731 (the model: 533 kB)
+    out = run_cli(["--save_strategy", "no", "--output_dir", str(tmp_path / "run")], preexec_fn=limit)
+    last = out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "cannot write the final model to" in last and "file-size limit: raise it (ulimit -f)" in last, last
+    out = run_cli(["--save_steps", "2", "--output_dir", str(tmp_path / "run2")], preexec_fn=limit)
+    last = out.stderr.strip().splitlines()[-1]
+    assert "cannot write" in last and "checkpoint-2" in last and "file-size limit: raise it" in last, last
+
+
+@pytest.mark.parametrize("damage, says", [
+    ("truncated shard", "has 100 bytes, not"),  # issue
+    ("no manifest", "manifest.json, written last, is missing"),  # ours
+    ("no such checkpoint", "no such directory"),  # ours
+])
+def test_exporting_a_damaged_checkpoint_is_one_line(tmp_path, damage, says):
+    from plumbing import checkpoint
+    run = tmp_path / "run"
+    assert train.main(TINY + ["--save_steps", "2", "--output_dir", str(run)]).step == 4
+    last = run / "checkpoint-4"
+    if damage == "truncated shard":
+        os.truncate(next(last.glob("*.distcp")), 100)
+    elif damage == "no manifest":
+        (last / "manifest.json").unlink()
+    else:
+        last = run / "checkpoint-9"
+    with pytest.raises(SystemExit) as error:
+        checkpoint.export_checkpoint(str(last))
+    assert says in str(error.value) and "\n" not in str(error.value), error.value
+    if damage != "no such checkpoint":
+        assert f"export the previous complete one, {run / 'checkpoint-2'}" in str(error.value)
+
+
+@pytest.mark.parametrize("name", ["data.jsonl.gz", "data.jsonl.bz2", "data.json.xz"])  # the issue's, and ours
+def test_a_compressed_data_file_is_read_as_datasets_reads_it(tmp_path, name):
+    import bz2
+    import gzip
+    import lzma
+    rows = [{"prompt": f"{i:04d}=", "target": f"{i:04d}"} for i in range(64)]
+    text = "prompt,target\n" + "".join(f"{r['prompt']},{r['target']}\n" for r in rows) if ".csv" in name else \
+        ("".join(json.dumps(r) + "\n" for r in rows) if ".jsonl" in name else json.dumps(rows))
+    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}[os.path.splitext(name)[1]]
+    with opener(tmp_path / name, "wt") as f:
+        f.write(text)
+    result = train.main(["--dataset", str(tmp_path / name), "--max_steps", "1", "--output_dir", str(tmp_path / "r")])
+    assert result.step == 1
+
+
+def test_a_data_file_of_no_known_type_is_one_line(tmp_path):
+    (tmp_path / "data.txt").write_text("1234=\n")
+    with pytest.raises(SystemExit) as error:
+        train.main(["--dataset", str(tmp_path / "data.txt"), "--output_dir", str(tmp_path / "r")])
+    assert "is of no type rloo reads: give a .json, .jsonl, .parquet or .csv file" in str(error.value)

@@ -174,7 +174,7 @@ def test_async_lag_1_trains_on_the_previous_steps_samples(chat_model_dir, vllm_s
     model = models.prepare_model(model, cfg, trainable=True)
     generator = train.start_generator(cfg, model, tokenizer, None, None, CPU)
     dataset = Dataset.from_dict({"prompt": [f"Count to {i}:" for i in range(40)]})
-    source = batches.BatchSource(cfg, generator, dataset, None, tokenizer.pad_token_id, {})
+    source = batches.BatchSource(cfg, generator, dataset, None, tokenizer, {})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # large steps: each step's weights are distinct
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     previous = copy.deepcopy(model)

@@ -200,7 +200,7 @@ def test_a_full_disk_drops_the_sinks_with_a_line_each_then_the_checkpoint_is_one
     assert all("(OSError: [Errno 28] No space left on device): dropped" in w for w in warnings), warnings
     assert done.stderr.splitlines()[-1] == (
         f"error: cannot write {mount}/run/checkpoint-100 (OSError: [Errno 28] No space left on device): the partial "
-        "copy is removed and no earlier checkpoint exists. Free disk space, then run again")
+        "copy is removed and no earlier checkpoint exists. To go on, free disk space, then run again")
 
 
 def test_stdout_whose_reader_is_gone_stops_printing_not_the_run(tmp_path):
