@@ -366,11 +366,11 @@ def check_data(dataset, tokenizer, processor, model, cfg, where="dataset"):
         first = [next(iter(dataset))["prompt"]]
         check_chat_template(first, processor or tokenizer, cfg.model, "stream")
         check_roles(first, processor or tokenizer, cfg, "stream")
-        check_representable(first, tokenizer, cfg, "stream")
+        prompting.check_representable(first, tokenizer, cfg, "stream")
         return
     prompts = prompt_column(dataset)
     check_chat_template(prompts, processor or tokenizer, cfg.model, where)
-    check_representable(prompts[:64], tokenizer, cfg, where)
+    prompting.check_representable(prompts[:64], tokenizer, cfg, where)
     if processor is None:  # image tokens are only counted once the processor has the images
         check_prompt_lengths(prompts, tokenizer, model, cfg, where)
     check_roles(prompts, processor or tokenizer, cfg, where)
@@ -378,28 +378,6 @@ def check_data(dataset, tokenizer, processor, model, cfg, where="dataset"):
     if where == "dataset" and len(dataset) < needed:
         fail(f"dataset has {len(dataset)} rows but one step needs {needed} prompts; "
              "lower per_device_train_batch_size or steps_per_generation")
-
-
-def check_representable(prompts, tokenizer, cfg, where):
-    """Prompts in characters the tokenizer reads as its unknown token: mostly so is a model that
-    would train on prompts it cannot read (the embedded model given English questions), one line;
-    a few, one warning."""
-    for i, prompt in enumerate(prompts):
-        text = prompting.message_text(prompt) if not prompting.is_token_ids(prompt) else ""
-        lost = prompting.unrepresented(tokenizer, text)
-        if not lost:
-            continue
-        token = tokenizer.convert_ids_to_tokens(prompting.unknown_token(tokenizer))
-        said = (f"{where} row {i}: the tokenizer reads {len(lost)} of its prompt's {len(text)} "
-                f"characters ({''.join(dict.fromkeys(lost))[:24]!r}) as its unknown token "
-                f"{token!r}")
-        fix = ("without --model the embedded model knows only the digits and '=': pass --model "
-               "for this dataset" if cfg.model is None else "use a tokenizer that covers them")
-        if 2 * len(lost) >= len(text):
-            fail(f"{said}: the model would learn from prompts it cannot read; {fix}")
-        if distributed.is_main():
-            print(f"rloo: WARNING: {said}; {fix}", file=sys.stderr)
-        return
 
 
 def prompts_per_rank(cfg):

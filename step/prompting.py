@@ -5,11 +5,13 @@ import array
 import io
 import json
 import re
+import sys
 import weakref
 
 import torch
 import torch.nn.functional as F
 
+from plumbing import distributed
 from plumbing.config import fail
 
 
@@ -150,6 +152,28 @@ def message_text(prompt):
     if isinstance(prompt, str):
         return prompt
     return "\n".join(m["content"] for m in prompt if isinstance(m.get("content"), str))
+
+
+def check_representable(prompts, tokenizer, cfg, where):
+    """Prompts in characters the tokenizer reads as its unknown token: mostly so is a model that
+    would train on prompts it cannot read (the embedded model given English questions), one line;
+    a few, one warning."""
+    for i, prompt in enumerate(prompts):
+        text = message_text(prompt) if not is_token_ids(prompt) else ""
+        lost = unrepresented(tokenizer, text)
+        if not lost:
+            continue
+        token = tokenizer.convert_ids_to_tokens(unknown_token(tokenizer))
+        said = (f"{where} row {i}: the tokenizer reads {len(lost)} of its prompt's {len(text)} "
+                f"characters ({''.join(dict.fromkeys(lost))[:24]!r}) as its unknown token "
+                f"{token!r}")
+        fix = ("without --model the embedded model knows only the digits and '=': pass --model "
+               "for this dataset" if cfg.model is None else "use a tokenizer that covers them")
+        if 2 * len(lost) >= len(text):
+            fail(f"{said}: the model would learn from prompts it cannot read; {fix}")
+        if distributed.is_main():
+            print(f"rloo: WARNING: {said}; {fix}", file=sys.stderr)
+        return
 
 
 def completion_texts(tokenizer, lists):
