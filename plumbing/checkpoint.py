@@ -276,10 +276,16 @@ def save_checkpoint(cfg, model, optimizer, scheduler, state, vision=False, ref_m
     distributed.barrier()
 
 
-def reason(error):
-    """One line for an exception; for DCP's CheckpointException, the first rank's own exception."""
+def cause(error):
+    """An exception, or for DCP's CheckpointException the first rank's own exception."""
     if isinstance(error, CheckpointException) and error.failures:
-        error = next(iter(error.failures.values()))[0]
+        return next(iter(error.failures.values()))[0]
+    return error
+
+
+def reason(error):
+    """One line for an exception (its cause)."""
+    error = cause(error)
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0][:200] if text else ''}"
 
@@ -298,6 +304,7 @@ def write_fix(error, directory):
     """What to do about a failed write, from its errno: an OSError's, the one safetensors' writer
     names in its message (`File too large (os error 27)`), or, where torch's zip writer
     hides it ("unexpected pos"), the disk's free space or this process's file-size limit."""
+    error = cause(error)
     code = error.errno if isinstance(error, OSError) else None
     found = re.search(r"\(os error (\d+)\)|Os \{ code: (\d+)", str(error))
     code = int(found.group(1) or found.group(2)) if code is None and found else code

@@ -149,8 +149,8 @@ def unrepresented(tokenizer, text):
 
 def message_text(prompt):
     """What the user wrote of a prompt: the text, or its messages' string contents."""
-    if isinstance(prompt, str):
-        return prompt
+    if isinstance(prompt, str) or not is_conversational(prompt):  # token ids: none
+        return prompt if isinstance(prompt, str) else ""
     return "\n".join(m["content"] for m in prompt if isinstance(m.get("content"), str))
 
 
