@@ -18,10 +18,10 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from options import lora
-from plumbing import distributed
+from plumbing import distributed, stack
 from plumbing.config import fail
 from step.data import embedded_task
-from step.metrics import timed
+from step import metrics
 from step.prompting import (eos_token_ids, image_token_ids, pad, pixel_inputs_for, prompt_tensors,
                             prompt_texts, row_images, tokenize_prompts)
 from rollout import finish
@@ -71,7 +71,7 @@ class VLLMGenerator:
         call's settings, if not the run's (a multi-turn turn)."""
         timings = {}
         if not self.cfg.async_generation:  # async: step/batches.py pushes between steps
-            with timed(timings, "time/weight_sync"):
+            with metrics.timed(timings, "time/weight_sync"):
                 self.push_weights()
         rollout = self.sample_rows(rows, seed, cfg or self.cfg)
         rollout.timings = timings
@@ -183,7 +183,11 @@ class ColocatedEngine:
                 init.save_pretrained(path)
                 tokenizer.save_pretrained(path)
             distributed.barrier()
-        self.engine = vllm_engine(cfg, path, device, max_images, max_model_len)
+        with metrics.engine_start() as held:  # memory/* are the trainer's: the engine's left out
+            self.engine = vllm_engine(cfg, path, device, max_images, max_model_len)
+        if device.type == "cuda":
+            stack.took("vLLM engine's memory", f"{held[0]:.0f} MiB", "weights and KV cache, "
+                       "allocated whether it sleeps or not; left out of memory/*")
         self.tp_group = tensor_parallel_group(cfg)
         self.weights_gone = False  # level 2 sleep dropped them: the next sampling needs a push
         if self.sleeps:
@@ -208,6 +212,7 @@ class ColocatedEngine:
 
     def close(self):
         close_engine(self.engine)
+        metrics.ENGINE_BYTES[0] = 0
 
 
 def close_engine(engine):

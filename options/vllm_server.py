@@ -63,12 +63,14 @@ class ServerEngine:
             self.send = functools.partial(push_transfer, self.transfer, self.server)
 
     def push(self):
-        """Every rank: the weights into the server (paused meanwhile, resumed however the push
-        ends), which then holds this push's weight version; not into a server another run took."""
+        """Every rank: the weights into the server (paused meanwhile; resumed unless the transfer
+        stopped partway: paused), which then holds this push's weight version; not into a server
+        another run took."""
         if distributed.is_main():
             self.lease.check()
-        held = self.lease.version
-        self.send(self.lease.next_version(), functools.partial(self.lease.check, held))
+        version = self.lease.next_version()
+        self.send(version, self.lease.check)
+        self.lease.version = version  # the server's now
 
     def sample(self, prompts, prompt_lists, images, sampling):
         if images is not None:
@@ -134,28 +136,36 @@ class Lease:
     naming it, each push sets this run's next version, and each push (before it, and before its
     version is set) and each sample (after it) check that the version is still this run's (of two
     runs that start at once, the one overtaken stops). A resume (the same output_dir) takes its own
-    lease back, as does a run on the holder's host whose process is gone; close gives it back."""
+    lease back, as does a run on the holder's host whose process is gone; close gives it back. A
+    push marks the version UNFINISHED until the server holds all of it: a server left so (its push
+    stopped partway) is refused at start-up."""
 
     def __init__(self, server, output_dir):
         self.server, self.pushes, run = server, 0, None
         if distributed.is_main():
             run = {"rloo": os.path.abspath(output_dir), "host": socket.gethostname(),
                    "pid": os.getpid()}
-            holder = lease_holder(server.get("/weight_info")["weight_version"])
+            version = server.get("/weight_info")["weight_version"]
+            holder = lease_holder(version)
             if holder and holder["rloo"] != run["rloo"] and alive(holder):
                 fail(f"the vLLM server at {server.url} serves another run ({describe(holder)}): "
                      "a server serves one run at a time, or each would sample from the other's "
                      "weights. Start a server for this run (launch.sh does), or wait for that "
                      "one to end; if it was killed, restart the server")
+            if str(version).startswith(UNFINISHED):
+                fail(f"the vLLM server at {server.url} is left mid-update: a weight push into it "
+                     f"({describe(holder) if holder else version}) stopped partway, and vLLM "
+                     "cannot put back the layers it had begun to replace, so it would sample from "
+                     "broken weights. Restart the server (launch.sh starts one)")
         self.run = distributed.gather_objects(run)[0]
         self.version = json.dumps({**self.run, "push": 0})
         if distributed.is_main():
             server.post("/update_weight_version", {"new_version": self.version})
 
     def next_version(self):
+        """The next push's version, the lease's once the server holds that push."""
         self.pushes += 1
-        self.version = json.dumps({**self.run, "push": self.pushes})
-        return self.version
+        return json.dumps({**self.run, "push": self.pushes})
 
     def check(self, held=None):
         """The server still holds this run's last push (before a push, after a sample), or held."""
@@ -175,8 +185,16 @@ class Lease:
                     self.server.post("/update_weight_version", {"new_version": released})
 
 
+# the weight version while a push runs, before the push's own: a server left with it was stopped
+# mid-update
+UNFINISHED = "unfinished: "
+
+
 def lease_holder(version):
-    """The run a weight version names, or None: set by no rloo run, or given back."""
+    """The run a weight version names (a push's unfinished one too), or None: set by no rloo run,
+    or given back."""
+    if isinstance(version, str):
+        version = version.removeprefix(UNFINISHED)
     try:
         holder = json.loads(version)
     except (TypeError, ValueError):
@@ -399,10 +417,8 @@ def served_model(server):
 def push_weights_server(server, model, sync_dir, dtype, version, check=None):
     """Without a weight-transfer engine (a CPU trainer, or --vllm_weight_sync file): rank 0 writes
     the full weights in `dtype` as safetensors to a directory the server can read (a shared
-    filesystem), the server reloads them in place, and its prefix and image-feature caches are
-    reset. A reload that fails is one line: vLLM's loader may have replaced part of the server's
-    layers already (a layer it cannot finish stays empty), and such a server fails every request
-    after, so it says to restart the server."""
+    filesystem), then the server, paused, reloads them in place (vLLM's loader may replace part of
+    its layers before it fails: `paused`), and its prefix and image-feature caches are reset."""
     from safetensors.torch import save_file
 
     weights = {}
@@ -411,19 +427,13 @@ def push_weights_server(server, model, sync_dir, dtype, version, check=None):
             # a copy: tied tensors share storage, which safetensors refuses; both names go in
             kept = dtype if tensor.is_floating_point() else tensor.dtype
             weights[name] = tensor.to("cpu", kept, copy=True).contiguous()
+    if distributed.is_main():
+        os.makedirs(sync_dir, exist_ok=True)
+        save_file(weights, os.path.join(sync_dir, "model.safetensors"))
     with paused(server, version, check):
         if distributed.is_main():
-            os.makedirs(sync_dir, exist_ok=True)
-            save_file(weights, os.path.join(sync_dir, "model.safetensors"))
-            try:
-                server.post("/collective_rpc", {"method": "reload_weights",
-                                                "kwargs": {"weights_path": sync_dir}})
-            except Unanswered:
-                raise
-            except Failed as e:
-                fail(f"{str(e).removeprefix('error: ')} (the weight reload from {sync_dir}): "
-                     "vLLM may have replaced part of the server's weights, and such a server "
-                     "fails every request after: restart it")
+            server.post("/collective_rpc", {"method": "reload_weights",
+                                            "kwargs": {"weights_path": sync_dir}})
 
 
 def weight_transfer(backend, cfg, model, server):
@@ -449,9 +459,8 @@ def weight_transfer(backend, cfg, model, server):
         needs = {"nccl": "GPUs other than trainer rank 0's (NCCL refuses one GPU twice in a "
                          "group; on rank 0's own GPU serve with the ipc backend)",
                  "ipc": "trainer rank 0's GPU (on GPUs of its own serve with the nccl backend)"}
-        reason = (str(e).strip() or type(e).__name__).splitlines()[0][:200]
-        fail(f"{backend} weight sync with the vLLM server at {server.url} failed ({reason}): it "
-             f"needs the server on {needs[backend]}, as launch.sh starts it; or pass "
+        fail(f"{backend} weight sync with the vLLM server at {server.url} failed ({reason(e)}): "
+             f"it needs the server on {needs[backend]}, as launch.sh starts it; or pass "
              "--vllm_weight_sync file with a --vllm_sync_dir both sides see")
 
 
@@ -507,31 +516,60 @@ def push_transfer(transfer, server, version, check=None):
 @contextlib.contextmanager
 def paused(server, version, check=None):
     """Every rank's push: the server paused while its layers are rebuilt (and its KV cache freed:
-    vLLM 0.34 lends it to the reload), then its caches reset and this push's weight version set
-    (the lease's). The barrier first: from vLLM 0.33 a paused server refuses new requests (HTTP
-    503; 0.32 queued them), so no rank may still be sampling (a multi-turn trajectory's next turn,
-    an async batch) when rank 0 pauses. The barrier after: no rank samples before the server holds
-    the new weights. Resumed however the push ends (an error, Ctrl-C): a paused server would
-    refuse or hold every client until some trainer pushed again. `check` (the lease's) runs just
-    before the version is set: a run that took the server during the push keeps it."""
+    vLLM 0.34 lends it to the reload), its weight version UNFINISHED + version meanwhile, then its
+    caches reset and this push's weight version set (the lease's). The barrier first: from vLLM
+    0.33 a paused server refuses new requests (HTTP 503; 0.32 queued them), so no rank may still be
+    sampling (a multi-turn trajectory's next turn, an async batch) when rank 0 pauses. The barrier
+    after: no rank samples before the server holds the new weights. Resumed however the push ends
+    (an error, Ctrl-C), as a paused server would refuse or hold every client, but for one that
+    stopped partway through the weights: vLLM's transfer and reload begin by moving layers off the
+    device and cannot go back, so that server stays paused, marked, and the run stops with one line
+    saying to restart it. `check(held)` (the lease's) runs before the version changes, each time: a
+    run that took the server during the push keeps it."""
     distributed.barrier()
     if distributed.is_main():
         server.post("/pause?mode=wait")
+    with resumed_if_it_fails(server):
+        if distributed.is_main():
+            if check is not None:
+                check()
+            server.post("/update_weight_version", {"new_version": UNFINISHED + version})
     try:
         yield
+    except (Exception, Failed) as e:
+        if distributed.is_main() and not distributed.collective_failed(e):  # a lost peer: its line
+            fail(f"the weight push into the vLLM server at {server.url} stopped partway "
+                 f"({reason(e)}): vLLM cannot put back the layers it had begun to replace, so the "
+                 "server is left paused, and refused by the next run, until it is restarted. "
+                 "Restart it (launch.sh starts one), then resume from the last checkpoint")
+        raise
+    with resumed_if_it_fails(server):
         if distributed.is_main():
             server.post("/reset_prefix_cache")
             server.post("/reset_encoder_cache")  # image features of the old vision tower
             if check is not None:
-                check()
+                check(UNFINISHED + version)
             server.post("/update_weight_version", {"new_version": version})
+    if distributed.is_main():
+        server.post("/resume")
+    distributed.barrier()
+
+
+@contextlib.contextmanager
+def resumed_if_it_fails(server):
+    """A paused server resumed (rank 0) if the block fails: nothing of its weights moved."""
+    try:
+        yield
     except BaseException:
         if distributed.is_main():
             server.quietly("/resume")
         raise
-    if distributed.is_main():
-        server.post("/resume")
-    distributed.barrier()
+
+
+def reason(error):
+    """An error's first line, as a line of ours quotes it."""
+    text = (str(error).strip() or type(error).__name__).splitlines()[0]
+    return text.removeprefix("error: ")[:300]
 
 
 def free_port():

@@ -38,6 +38,8 @@ def setup_distributed(timeout=1800.0):
     if device.type == "cpu":
         CPU_THREADS[:] = [set_cpu_threads()]
     device_id = device if device.type == "cuda" else None
+    if device_id is not None:  # read as the group starts; the environment is given back after a run
+        os.environ.update(NCCL_ERROR_HANDLING)
     options = dict(timeout=datetime.timedelta(seconds=timeout), device_id=device_id)
     if "RANK" not in os.environ:
         options.update(store=dist.HashStore(), rank=0, world_size=1)
@@ -52,6 +54,14 @@ def setup_distributed(timeout=1800.0):
                        if t not in before and n in ("pt_gloo_runloop", name)]
     return device
 
+
+# How NCCL meets a lost or hung peer. torchrun sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1, with which
+# NCCL's watchdog thread aborts the whole process: no line names the peer, and a hung one costs
+# --ddp_timeout and ends without a word of the checkpoint. A blocking wait instead raises the failed
+# or timed-out collective in the thread that waits for it, as gloo does, so the run ends with
+# checkpoint.stop_if_a_peer_is_lost's line; no watchdog handling (0) leaves it that one way out. The
+# cost: a rank's host waits for each collective it waits on (FSDP2's gathers among them).
+NCCL_ERROR_HANDLING = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
 
 # (host, pid) of every rank, by rank, gathered at start-up: how a survivor names a lost peer
 PEERS = []
@@ -99,8 +109,8 @@ def process_ended(pid):
 
 
 def collective_failed(error):
-    """Whether an exception is a collective's that lost its peer (gloo's sockets, NCCL's
-    watchdog), rather than a bug of ours."""
+    """Whether an exception is a collective's that lost its peer (gloo's sockets, NCCL's blocking
+    wait: NCCL_ERROR_HANDLING), rather than a bug of ours."""
     return isinstance(error, dist.DistError) or "gloo/transport" in str(error)
 
 

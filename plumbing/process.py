@@ -6,8 +6,9 @@ Borrowed: the SIGTERM and SIGINT handlers (checkpoint.watch_signals; a run in an
 the main one has none, Python allows them only there), sys.excepthook (which torch.distributed
 wraps), threading.excepthook (plumbing/logs.py's, for tensorboard's writer thread), sys.stdout
 (Stdout), torch's CPU threads (distributed.set_cpu_threads), torch's modes (FRESH: a caller's
-no_grad, inference_mode, autocast, float64 default dtype or deterministic algorithms are set aside
-for the run, which works as in a fresh process), the random generators (the run seeds torch's; a
+no_grad, inference_mode, autocast, float64 default dtype, deterministic algorithms or lower fp32
+matmul precision on the backends the run multiplies on are set aside for the run, which works as
+in a fresh process), the random generators (the run seeds torch's; a
 caller's sweep draws on from where it was), the process group when the run made it, environment
 variables (a colocated vLLM engine's), warnings filters and logger levels, the attention
 implementations packed models stand in front of (packing.BASE), the user's modules (user_code), the
@@ -40,6 +41,18 @@ from plumbing.config import fail
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
+# The fp32 matmul backends a run multiplies on: oneDNN's (the CPU), and cuBLAS's where CUDA is. Each
+# is set to IEEE fp32 through its own setting, which a caller's new-API settings do not make raise
+# (the legacy getter does), and the backends the run does not use (cuDNN's) keep the caller's.
+MATMUL_BACKENDS = (torch.backends.mkldnn.matmul,) + (
+    (torch.backends.cuda.matmul,) if torch.cuda.is_available() else ())
+
+
+def set_matmul_precisions(precisions):
+    for backend, precision in zip(MATMUL_BACKENDS, precisions):
+        backend.fp32_precision = precision
+
+
 # torch's process-wide modes as a fresh process has them, which a run works under: (read, set,
 # fresh). Grad and inference mode are per thread, entered as contexts in borrowed.
 FRESH = ((torch.get_default_dtype, torch.set_default_dtype, torch.float32),
@@ -48,7 +61,8 @@ FRESH = ((torch.get_default_dtype, torch.set_default_dtype, torch.float32),
           lambda mode: torch.use_deterministic_algorithms(mode[0], warn_only=mode[1]),
           (False, False)),
          (torch.is_anomaly_enabled, torch.autograd.set_detect_anomaly, False),
-         (torch.get_float32_matmul_precision, torch.set_float32_matmul_precision, "highest"))
+         (lambda: [backend.fp32_precision for backend in MATMUL_BACKENDS], set_matmul_precisions,
+          ["ieee"] * len(MATMUL_BACKENDS)))
 
 
 RUNNING = threading.Lock()  # held by the run in progress

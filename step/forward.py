@@ -7,6 +7,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
+from packaging.version import Version
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
@@ -106,13 +107,14 @@ def distinct_rows(batch, rows):
     completion tokens and masks: (the first row of each distinct sequence, in batch order, so a
     prompt's rows stay adjacent for packing's sharing [u]; each row's place among them [b]). None
     where all differ. Rows are told apart by a hash (a 1-D unique, 10x faster than unique over
-    rows) and checked token by token, a collision falling back to the rows themselves. One host
-    sync where all differ, two where some repeat."""
+    rows) and checked token by token, a collision falling back to the rows themselves. Host syncs
+    on a GPU: one where all differ (the unique's size), three where some repeat (the token check,
+    the first rows' selection), four after a collision."""
     index = torch.arange(len(batch.prompt_ids), device=batch.prompt_ids.device)[rows]  # [b]
     key = torch.cat([batch.prompt_ids[index], batch.prompt_mask[index].long(),
                      batch.completion_ids[index], batch.completion_mask[index].long()], -1)
-    copies = torch.unique(row_hashes(key), return_inverse=True)[1]  # [b]
-    if int(copies.max()) + 1 == len(index):  # distinct hashes: distinct rows
+    hashes, copies = torch.unique(row_hashes(key), return_inverse=True)  # [u], [b]
+    if len(hashes) == len(index):  # distinct hashes: distinct rows
         return None
     order = torch.arange(len(index), device=index.device)
 
@@ -332,9 +334,27 @@ class ChunkedHead(torch.autograd.Function):
                 (grad_logits,) = torch.autograd.grad(out, logits, grad_out[rows])
             grad_hidden[rows] = grad_logits @ weight  # d/dh of h W^T
             if trained:  # d/dW of h W^T, summed into fp32 without a [V, H] temporary per chunk
-                grad_weight.addmm_(grad_logits.T.float(), hidden[rows].float())
+                add_weight_grad(grad_weight, grad_logits.T, hidden[rows])
         grad_weight = grad_weight.to(weight.dtype) if trained else None
         return grad_hidden, grad_weight, None, None, None
+
+
+# Where the head's gradient sums bf16/fp16 factors into its fp32 buffer in one GEMM on tensor
+# cores: CUDA's addmm with out_dtype (torch 2.8) into an fp32 `self` (from 2.10,
+# pytorch/pytorch#167931). The CPU has no such kernel; fp32 copies of the factors on a GPU ran the
+# largest GEMM of the backward without tensor cores, under the run's IEEE fp32 matmuls.
+FP32_OUT_DEVICES = ("cuda",) if Version(torch.__version__).release >= (2, 10) else ()
+
+
+def add_weight_grad(grad_weight, grad_logits_t, hidden):
+    """grad_weight [V, H] fp32 += grad_logits_t [V, n] @ hidden [n, H], the same fp32 sum on every
+    device: from the bf16/fp16 factors themselves where the device sums them into fp32
+    (FP32_OUT_DEVICES), else from fp32 copies of them."""
+    low = hidden.dtype in (torch.bfloat16, torch.float16) and grad_logits_t.dtype == hidden.dtype
+    if low and grad_weight.device.type in FP32_OUT_DEVICES:
+        torch.addmm(grad_weight, grad_logits_t, hidden, out_dtype=torch.float32, out=grad_weight)
+    else:
+        grad_weight.addmm_(grad_logits_t.float(), hidden.float())
 
 
 def base_of(model):

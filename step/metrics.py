@@ -137,15 +137,36 @@ SYNCS = [0]  # settle()'s synchronizations: one a step (a test counts them)
 
 
 def memory():
-    """(MiB in use now, MiB at most in use since the process started): the GPU allocator's, else
-    this process's resident set and its high-water mark (Linux's VmRSS and VmHWM: its own, unlike
+    """(MiB in use now, MiB at most in use since the process started): the trainer's in the GPU
+    allocator (a colocated vLLM engine's weights and KV cache left out: ENGINE_BYTES), else this
+    process's resident set and its high-water mark (Linux's VmRSS and VmHWM: its own, unlike
     getrusage's ru_maxrss, which carries a parent's over exec); 0 where unknown. Nothing in rloo
     resets either peak."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         allocated = torch.cuda.memory_stats_as_nested_dict()["allocated_bytes"]["all"]  # one call
-        return allocated["current"] / 2**20, allocated["peak"] / 2**20
+        engine = ENGINE_BYTES[0]
+        return (allocated["current"] - engine) / 2**20, (allocated["peak"] - engine) / 2**20
     status = proc_self("status")
     return kib(status, b"VmRSS:") / 1024, kib(status, b"VmHWM:") / 1024
+
+
+# Bytes of the GPU allocator a colocated vLLM engine holds for good, counted across its start
+# (engine_start). With sleep mode vLLM unmaps its weights and KV cache between samplings, yet their
+# tensors stay allocated in torch's pool: counted, every memory/* figure would carry them.
+ENGINE_BYTES = [0]
+
+
+@contextmanager
+def engine_start():
+    """A colocated vLLM engine starting in the block: the GPU memory it allocates and keeps is left
+    out of memory/* (which are then the trainer's) until the engine closes (ENGINE_BYTES[0] = 0).
+    -> [its MiB], filled as the block ends"""
+    gpu = torch.cuda.is_available()
+    before, held = torch.cuda.memory_allocated() if gpu else 0, [0.0]
+    yield held
+    if gpu:
+        ENGINE_BYTES[0] = torch.cuda.memory_allocated() - before
+        held[0] = ENGINE_BYTES[0] / 2**20
 
 
 def kib(status, field):

@@ -9,6 +9,7 @@ import mmap
 import os
 import subprocess
 import sys
+import types
 import warnings
 
 import pytest
@@ -217,6 +218,38 @@ def test_the_chunked_heads_backward_recomputes_log_probs_not_the_entropy(monkeyp
     assert VocabWide.count == 8 * 8, VocabWide.count
 
 
+def test_a_bf16_heads_gradient_sums_its_bf16_factors_into_fp32_in_one_gemm_a_chunk_on_cuda(monkeypatch):
+    """The head's weight gradient, the largest GEMM of the backward (3.6e13 FLOP a 32k-token step of a 7B model with a
+    152k vocabulary): on CUDA one addmm a chunk from the bf16 factors into the fp32 buffer (out_dtype), on tensor
+    cores; fp32 copies of both factors ran it without them under the run's IEEE fp32 matmuls. Read as the ops and
+    dtypes the backward dispatches, on the meta device standing in for CUDA (the CPU keeps the fp32 copies: it has
+    no such kernel)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    V, H, b, T = 512, 16, 2, 32
+    monkeypatch.setattr(forward, "HEAD_CHUNK_ELEMENTS", 8 * V)  # 8 tokens a chunk: 8 chunks
+    monkeypatch.setattr(forward, "FP32_OUT_DEVICES", ("meta",))
+    with torch.device("meta"):
+        logps = forward.LogpsHead(torch.randint(0, V, (b, T)), 1.0)
+        logps.lm_head = torch.nn.Linear(H, V, bias=False, dtype=torch.bfloat16)
+        out = logps(torch.randn(b, T + 1, H, dtype=torch.bfloat16, requires_grad=True))[..., 0].sum()
+
+    class Products(TorchDispatchMode):
+        seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in ("mm", "addmm", "addmm_"):
+                tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+                Products.seen.append((func.__name__, [str(t.dtype) for t in tensors]))
+            return func(*args, **(kwargs or {}))
+
+    with Products():
+        out.backward()
+    weight_grads = [dtypes for name, dtypes in Products.seen if name == "addmm.dtype_out"]
+    assert weight_grads == [["torch.float32", "torch.bfloat16", "torch.bfloat16", "torch.float32"]] * 8
+    assert not [p for p in Products.seen if p[0] != "addmm.dtype_out" and "torch.float32" in p[1]], Products.seen
+    assert logps.lm_head.weight.grad.dtype == torch.bfloat16
+
+
 def test_an_fp32_head_is_gathered_once_per_micro_batch_whatever_the_chunk_count(process_group, monkeypatch):
     """--cast_lm_head_to_fp32 makes the head an FSDP2 unit of its own: LogpsHead calls it once per micro-batch, so it
     is gathered once (kept to backward, as the root), not in forward and again in backward for every chunk (64
@@ -282,6 +315,59 @@ def test_each_timed_phase_reports_its_peak_memory_and_an_enclosing_phase_keeps_i
     assert timings["memory/training"] >= timings["memory/forward_backward"]
 
 
+@pytest.mark.parametrize("rows,syncs", [("distinct", 1), ("repeated", 3), ("colliding", 4)])
+def test_the_host_syncs_of_finding_repeated_rows_are_the_ones_its_docstring_counts(rows, syncs, monkeypatch):
+    """forward.distinct_rows runs before every training forward: its device-to-host reads (a unique's size, an
+    item, a boolean mask's nonzero: each a sync on a GPU), counted as the ops that make them. All rows distinct:
+    one (the unique's own size told them apart; a max of its inverse read a second); some repeat: three; a hash
+    collision: four. Its docstring says these numbers (it said one or two)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    prompt_ids, completion_ids = torch.randint(0, 50, (8, 5)), torch.randint(0, 50, (8, 6))
+    if rows != "distinct":  # row 1 repeats row 0
+        prompt_ids[1], completion_ids[1] = prompt_ids[0], completion_ids[0]
+    if rows == "colliding":
+        monkeypatch.setattr(forward, "row_hashes", lambda key: torch.zeros(len(key), dtype=torch.long))
+    batch = types.SimpleNamespace(prompt_ids=prompt_ids, prompt_mask=torch.ones(8, 5, dtype=torch.bool),
+                                  completion_ids=completion_ids, completion_mask=torch.ones(8, 6, dtype=torch.bool))
+    reads = {"_unique2", "unique_dim", "_local_scalar_dense", "nonzero"}
+
+    class Syncs(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__.split(".")[0]
+            masked = name == "index" and any(i is not None and i.dtype == torch.bool for i in args[1])
+            Syncs.count += name in reads or masked
+            return func(*args, **(kwargs or {}))
+
+    with Syncs():
+        found = forward.distinct_rows(batch, slice(0, 8))
+    assert (found is None) == (rows == "distinct") and Syncs.count == syncs
+
+
+def test_memory_figures_leave_out_a_colocated_engines_weights_and_kv_cache(monkeypatch):
+    """With colocated sleep mode vLLM unmaps its weights and KV cache between samplings, yet their tensors stay
+    allocated in torch's pool: every memory/* figure (and memory/run_peak) counted them. What the engine's start
+    allocates and keeps is left out of them until it closes: they are the trainer's. The allocator stood in for by
+    its figures (MiB): 1000 the trainer's before the engine, 3000 more the engine's, a 500 MiB training peak after."""
+    stats = {"current": 1000 * 2**20, "peak": 1000 * 2**20}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: stats["current"])
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda: {"allocated_bytes": {"all": stats}})
+    monkeypatch.setattr(metrics, "mark", lambda: 0.0)  # the host's clock, not a CUDA event
+    monkeypatch.setattr(metrics, "ENGINE_BYTES", [0])
+    with metrics.engine_start() as held:
+        stats.update(current=4000 * 2**20, peak=4000 * 2**20)  # weights and KV cache, kept while it sleeps
+    assert held == [3000.0] and metrics.memory() == (1000.0, 1000.0)
+    timings = {}
+    with metrics.timed(timings, "time/forward_backward"):
+        stats.update(peak=4500 * 2**20)  # activations, freed by the end
+    assert timings["memory/forward_backward"] == 1500.0 and metrics.run_peak() == 1500.0
+    metrics.ENGINE_BYTES[0] = 0  # the engine closed
+    assert metrics.memory() == (4000.0, 4500.0)
+
+
 @pytest.mark.stack
 def test_compile_decode_on_an_fsdp2_model_is_one_graph_over_two_generations(process_group, monkeypatch):
     """--compile_decode on the bf16 FSDP2 policy (2 layers, one process): the weights are gathered for the whole
@@ -333,6 +419,7 @@ def test_compile_decode_takes_cuda_graphs_only_where_their_static_inputs_stay_pu
 
 
 @pytest.mark.stack
+@pytest.mark.slow
 def test_under_torchrun_only_rank_0_holds_the_full_weights_on_the_host_while_loading(tmp_path):
     """Rank 0 reads the directory; rank 1 builds the model on the meta device and receives its shard from rank 0
     (models.fill_from_rank0). Rank 1's resident set grows by at most its half and one tensor; every parameter and
@@ -359,6 +446,7 @@ def test_under_torchrun_only_rank_0_holds_the_full_weights_on_the_host_while_loa
     assert ranks[1]["grown_mib"] < 0.75 * full_mib, (ranks, full_mib)
 
 
+@pytest.mark.slow
 def test_a_whole_step_grows_by_well_under_the_logits_from_8_to_512_completion_tokens(smollm2_dir, tmp_path):
     """One LoRA step of train.py (generation, rewards, scoring, forward+backward, optimizer) with 2 completions of
     exactly 512 tokens through a 49k vocabulary peaks at most 0.6x their fp32 logits (192 MiB) above the same step

@@ -104,6 +104,34 @@ def test_more_local_processes_than_gpus_is_one_line(monkeypatch):
         distributed.setup_distributed()
 
 
+def test_a_lost_or_hung_nccl_peer_raises_in_the_waiting_thread_as_on_gloo(monkeypatch):
+    """What a GPU rank's process group starts with under torchrun, which sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1: with
+    it NCCL's watchdog aborted the process itself, so a lost peer was never named and a hung one cost --ddp_timeout
+    and ended without a word of the checkpoint. A blocking wait (and no watchdog handling) raises the failed or
+    timed-out collective in the thread that waits, within the --ddp_timeout the group is given: the DistError that
+    checkpoint.stop_if_a_peer_is_lost turns into its one line, as on gloo."""
+    started = {}
+
+    def init_process_group(backend, timeout, **options):
+        started.update(backend=backend, timeout=timeout.total_seconds(), **{k: os.environ.get(k) for k in (
+            "TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_ASYNC_ERROR_HANDLING")})
+        raise torch.distributed.DistBackendError("stop here: nothing below needs a GPU")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.distributed, "init_process_group", init_process_group)
+    for name, value in dict(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                            TORCH_NCCL_ASYNC_ERROR_HANDLING="1").items():  # torchrun's
+        monkeypatch.setenv(name, value)
+    with pytest.raises(torch.distributed.DistBackendError) as raised:
+        distributed.setup_distributed(timeout=120.0)
+    assert distributed.collective_failed(raised.value)
+    assert started == {"backend": "cuda:nccl,cpu:gloo", "timeout": 120.0, "TORCH_NCCL_BLOCKING_WAIT": "1",
+                       "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+
+
 def test_ipc_buffer_holds_the_largest_weight():
     def meta(*shape):
         return SimpleNamespace(shape=shape, dtype=torch.bfloat16)
@@ -183,6 +211,7 @@ def test_server_engine_close_shuts_the_weight_transfer_group_down(monkeypatch, f
     assert transfer.backend == "nccl"
     engine.push()
     assert transfer.sent == 1 and fake_server.posts == ["/update_weight_version", "/pause?mode=wait",
+                                                        "/update_weight_version",  # marked unfinished
                                                         "/reset_prefix_cache", "/reset_encoder_cache",
                                                         "/update_weight_version", "/resume"]
     engine.close()
@@ -264,8 +293,8 @@ def test_no_rank_is_still_sampling_when_rank_0_pauses_the_server(tmp_path, relea
     done = torchrun("vllm_pause_worker.py", tmp_path / "log.json", release)
     assert done.returncode == 0, done.stderr[-3000:]
     log = json.loads((tmp_path / "log.json").read_text())
-    assert log == ["/v1/completions", "/pause", "/reset_prefix_cache", "/reset_encoder_cache",
-                   "/update_weight_version", "/resume"]
+    assert log == ["/v1/completions", "/pause", "/update_weight_version", "/reset_prefix_cache",
+                   "/reset_encoder_cache", "/update_weight_version", "/resume"]  # unfinished, then done
 
 
 def vllm_release(release):

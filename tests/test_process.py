@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,6 +63,7 @@ def copied(completions, target, **kwargs):
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.stack
 def test_runs_in_one_process_equal_fresh_ones_and_leave_the_process_as_found(tmp_path):
     """Three train.main calls in one process (the embedded task, then other flags, then the first again): after
@@ -92,6 +94,7 @@ def test_runs_in_one_process_equal_fresh_ones_and_leave_the_process_as_found(tmp
     assert cli.returncode == 1 and cli.stderr == "error: --num_generations 1: must be >= 2\n"
 
 
+@pytest.mark.slow
 def test_the_readmes_sweep_runs_as_written(tmp_path):
     """README 'Sweeps': its block, run as it stands in a fresh directory, trains three learning rates in one
     process and prints each one's reward."""
@@ -113,11 +116,12 @@ CALLER = """
     out, reward_file = sys.argv[1], sys.argv[2]
     flags = ["--max_steps", "2", "--logging_steps", "1", "--per_device_train_batch_size", "16", "--num_generations",
              "4", "--save_strategy", "no", "--reward_funcs", reward_file + ":probe"]
+    MATMUL = (torch.backends.mkldnn.matmul, torch.backends.cuda.matmul)
 
     def modes():
         return {"grad": torch.is_grad_enabled(), "inference": torch.is_inference_mode_enabled(),
                 "dtype": str(torch.get_default_dtype()), "deterministic": torch.are_deterministic_algorithms_enabled(),
-                "anomaly": torch.is_anomaly_enabled(), "matmul": torch.get_float32_matmul_precision(),
+                "anomaly": torch.is_anomaly_enabled(), "matmul": [b.fp32_precision for b in MATMUL],
                 "autocast": torch.is_autocast_enabled("cpu")}
 
     def state():
@@ -134,7 +138,9 @@ CALLER = """
     torch.set_default_dtype(torch.float64)
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.autograd.set_detect_anomaly(True)
-    torch.set_float32_matmul_precision("medium")
+    # a lower precision through torch's new API, which its legacy getter then refuses to read
+    torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
     before, caller = state(), modes()
 
     def worker():
@@ -174,7 +180,8 @@ def probe(completions, target, **kwargs):
                             "dtype": str(torch.get_default_dtype()),
                             "deterministic": torch.are_deterministic_algorithms_enabled(),
                             "anomaly": torch.is_anomaly_enabled(),
-                            "matmul": torch.get_float32_matmul_precision(),
+                            "matmul": [b.fp32_precision for b in (torch.backends.mkldnn.matmul,
+                                                                   torch.backends.cuda.matmul)],
                             "autocast": torch.is_autocast_enabled("cpu")}) + "\\n")
     return [sum(a == b for a, b in zip(c, t)) / len(t) for c, t in zip(completions, target)]
 '''
@@ -182,8 +189,10 @@ def probe(completions, target, **kwargs):
 
 def test_a_caller_s_torch_modes_and_thread_are_set_aside_for_the_run_and_given_back(tmp_path):
     """train.main under a caller's torch.no_grad(); then from a worker thread under inference_mode, autocast, a float64
-    default dtype, deterministic algorithms, anomaly detection and a lower matmul precision: each run works under a
-    fresh process's modes (seen from a reward function inside it) and trains as the other does; the thread's run
+    default dtype, deterministic algorithms, anomaly detection and a lower fp32 matmul precision set through torch's
+    new API (its legacy getter then raises, which stopped train.main): each run works under a fresh process's modes
+    (seen from a reward function inside it; IEEE fp32 on the CPU's matmul backend, while CUDA's, not the run's on a
+    CPU, keeps the caller's) and trains as the other does; the thread's run
     says once that it has no signal handlers; afterwards the caller's modes, its random stream, sys.excepthook and
     threads (no tqdm monitor) are as before; a second run while the thread's goes on, and a caller's default device,
     are refused in one line."""
@@ -194,15 +203,17 @@ def test_a_caller_s_torch_modes_and_thread_are_set_aside_for_the_run_and_given_b
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     fresh = {"grad": True, "inference": False, "dtype": "torch.float32", "deterministic": False, "anomaly": False,
-             "matmul": "highest", "autocast": False}
+             "matmul": ["none", "none"], "autocast": False}
     seen = [json.loads(line) for line in (tmp_path / "probe.jsonl").read_text().splitlines()]
-    assert len(seen) == 4 and all(modes == fresh for modes in seen), seen
+    assert len(seen) == 4 and all({**modes, "matmul": None} == {**fresh, "matmul": None} for modes in seen), seen
+    cuda = "ieee" if torch.cuda.is_available() else None  # the run's backend where CUDA is, else the caller's
+    assert [modes["matmul"] for modes in seen] == [["ieee", cuda or "none"]] * 2 + [["ieee", cuda or "tf32"]] * 2
     for key in ("reward", "kl", "grad_norm", "entropy", "completions/mean_length"):
         assert out["results"]["thread"][key] == pytest.approx(out["results"]["no_grad"][key], rel=1e-5), key
     assert out["after"]["no_grad"] == {**fresh, "grad": False}
     assert out["after"]["thread"] == {**out["caller"], "grad": False, "inference": True, "autocast": True}
     assert out["after"]["process"] == out["caller"] == {**fresh, "dtype": "torch.float64", "deterministic": True,
-                                                        "anomaly": True, "matmul": "medium"}
+                                                        "anomaly": True, "matmul": ["bf16", "tf32"]}
     before, now = out["state"]
     assert now == before and "tqdm_monitor" not in now["threads"], (before, now)
     assert out["rng_goes_on"]

@@ -210,10 +210,11 @@ def test_a_server_of_another_model_is_one_line_before_any_weight_moves(tmp_path,
 
 @requires_vllm
 def test_a_frozen_server_is_one_line_after_the_timeout_and_the_run_resumes_exactly(tmp_path, chat_model_dir, server):
-    """The server stopped (SIGSTOP) after the step-2 checkpoint, the trainer on --vllm_server_timeout 5: one line
-    naming the server and the timeout (each request, the push's pause and reload included, is bounded by it; they
-    had fixed bounds of 3 x 60 s and 600 s), the checkpoint kept; continued (SIGCONT), the run resumes from it and
-    ends with the metrics of a run that never stopped."""
+    """The server stopped (SIGSTOP) after the step-2 checkpoint, once the next push is done (one stopped within a
+    push leaves the server refused as mid-update), the trainer on --vllm_server_timeout 5: one line naming the
+    server and the timeout (each request is bounded by it; they had fixed bounds of 3 x 60 s and 600 s), the
+    checkpoint kept; continued (SIGCONT), the run resumes from it and ends with the metrics of a run that never
+    stopped."""
     server, group = server
     args = train_args(tmp_path, chat_model_dir, server, "--max_steps", "5", "--save_steps", "2",
                       "--vllm_server_timeout", "5")
@@ -224,6 +225,9 @@ def test_a_frozen_server_is_one_line_after_the_timeout_and_the_run_resumes_exact
         while not (tmp_path / "frozen" / "checkpoint-2" / "trainer_state.json").exists():
             assert frozen.poll() is None, drained(frozen)[1][-3000:]
             time.sleep(0.05)
+        at_checkpoint = version(server)
+        while (now := version(server)) == at_checkpoint or now.startswith(vllm_server.UNFINISHED):
+            assert frozen.poll() is None, drained(frozen)[1][-3000:]
         os.killpg(group, signal.SIGSTOP)
         _, stderr = drained(frozen, 120)  # a hang guard, far above the 5 s bound
     finally:
@@ -244,15 +248,40 @@ def test_a_frozen_server_is_one_line_after_the_timeout_and_the_run_resumes_exact
 
 
 @requires_vllm
-def test_an_interrupted_push_leaves_the_server_resumed(tmp_path, chat_model_dir, server):
-    """The push fails while the server is paused (its directory cannot be made): the server is resumed, not left
-    refusing (0.33+) or holding (0.32) every request until some trainer pushes again."""
+def test_a_push_that_fails_before_any_weight_moves_leaves_the_server_serving(tmp_path, chat_model_dir, server):
+    """The push's directory cannot be made: the push stops before the server is paused, which keeps serving, not
+    refusing (0.33+) or holding (0.32) every request until some trainer pushes again; its version stands."""
     server, _ = server
-    model = torch.nn.Linear(2, 2)
+    model, before = torch.nn.Linear(2, 2), version(server)
     (tmp_path / "taken").write_text("a file where the push's directory would go")
     with pytest.raises(FileExistsError):
         vllm_server.push_weights_server(server, model, str(tmp_path / "taken"), torch.float32, "v")
-    assert server.get("/is_paused") == {"is_paused": False}
+    assert server.get("/is_paused") == {"is_paused": False} and version(server) == before
+    assert samples(server)
+
+
+@requires_vllm
+def test_a_push_stopped_partway_leaves_the_server_paused_and_refused_until_restarted(tmp_path, server):
+    """vLLM's weight transfer and reload begin by moving layers off the device and cannot go back: a push that
+    stops partway (here the transfer raising once the server is paused, its weights untouched) is one line saying
+    to restart the server, which is left paused (resumed, it sampled from half-rebuilt layers) with its weight
+    version marked unfinished, and the next run's start-up refuses it in one line (its first push was refused)."""
+    server, _ = server
+    lease = vllm_server.Lease(server, str(tmp_path / "mine"))
+    pushed = lease.next_version()
+    try:
+        with pytest.raises(SystemExit, match=f"the weight push into the vLLM server at {server.url} stopped partway "
+                                             r"\(the transfer broke off\): .* left paused") as stopped:
+            with vllm_server.paused(server, pushed, lease.check):
+                raise RuntimeError("the transfer broke off")
+        assert "\n" not in str(stopped.value)
+        assert server.get("/is_paused") == {"is_paused": True}
+        assert version(server) == vllm_server.UNFINISHED + pushed
+        with pytest.raises(SystemExit, match=f"the vLLM server at {server.url} is left mid-update: .* Restart"):
+            vllm_server.Lease(server, str(tmp_path / "mine"))  # the run's own resume
+    finally:
+        server.post("/resume")
+        set_version(server, "default")
     assert samples(server)
 
 
