@@ -414,6 +414,7 @@ def test_a_reward_that_exits_does_not_end_the_run_silently(tmp_path):
     assert not (tmp_path / "run" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_sigterm_stops_a_reward_that_never_returns(tmp_path):
     rewards_py = reward_file(tmp_path, "import asyncio\nasync def stuck(completions, **kw):\n"
                                        "    await asyncio.sleep(10**6)\n")
@@ -459,6 +460,7 @@ def train_until(args, out_dir, steps_logged):
     return proc
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_like_sigterm_and_a_second_one_exits_at_once(tmp_path):
     """The reward takes 0.5 s, so the signals arrive mid-step: the first one lets the reward finish and the step
     checkpoint; a second exits without waiting."""

@@ -410,6 +410,7 @@ def run_cli(args, preexec_fn=None):
                           timeout=300, preexec_fn=preexec_fn, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+@pytest.mark.slow
 def test_an_output_dir_turned_read_only_mid_run_is_one_line_without_a_traceback(tmp_path):
     """Issue: the output directory turns read-only after the first checkpoint (a reward does it at its third call:
     a read-only copy of it mounted over it, as a remount would, which Linux refuses while metrics.jsonl is open): the
@@ -439,6 +440,7 @@ def test_an_output_dir_turned_read_only_mid_run_is_one_line_without_a_traceback(
         subprocess.run(["umount", str(disk)])
 
 
+@pytest.mark.slow
 def test_a_final_model_over_the_file_size_limit_is_one_line(tmp_path):
     """Issue: safetensors' own error (SafetensorError, not an OSError) for a model.safetensors past RLIMIT_FSIZE: one
     line with the cause and the fix; a checkpoint past it (torch's zip writer: 'unexpected pos', no errno) too."""

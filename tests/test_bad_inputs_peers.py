@@ -68,6 +68,7 @@ def run_with_peer(tmp_path, ranks, step, how, flags):
     return done, rank0
 
 
+@pytest.mark.slow
 def test_sigterm_to_every_rank_with_no_peer_lost_still_checkpoints(tmp_path):
     """Ours: SLURM's SIGTERM reaches every rank of a healthy run: a checkpoint at the end of the step, as before, and
     no peer named lost."""
@@ -79,6 +80,7 @@ def test_sigterm_to_every_rank_with_no_peer_lost_still_checkpoints(tmp_path):
     assert checkpoint.damage(str(tmp_path / "run" / "checkpoint-2")) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(PEER_CASES))
 def test_a_lost_torchrun_peer_is_one_line_naming_it_and_the_last_intact_checkpoint(tmp_path, case):
     """Rank 0's own stream (torchrun --tee) holds one line naming rank 1 and the checkpoint to resume from, no

@@ -92,6 +92,7 @@ def test_dynamic_sampling_trains_on_what_it_has_after_the_bound():
     assert len(joined.rows["prompt"]) == 4 and joined.completion_ids.shape[0] == 16
 
 
+@pytest.mark.slow
 def test_embedded_task_learns_with_dynamic_sampling(tmp_path):
     """200 steps of the embedded default with dynamic sampling: measured 0.08 -> 0.65 (0.08 -> 0.42 without), with
     extra rounds drawn when early groups all score 0."""

@@ -10,9 +10,13 @@ import sys
 
 import pytest
 
+from conftest import in_process
+from step import metrics
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_the_multi_turn_benchmark_runs():
     out = subprocess.run([sys.executable, "benchmarks/bench.py", "--multi_turn", "--config", "overhead", "--steps", "4"],
                          capture_output=True, text=True, cwd=ROOT, timeout=900)
@@ -21,6 +25,7 @@ def test_the_multi_turn_benchmark_runs():
     assert [line.split()[0] for line in lines] == ["kept", "afresh"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("multi_turn", [[], ["--multi_turn"]])
 def test_the_long_tail_benchmark_reports_padded_and_packed_side_by_side(multi_turn):
     """One run, one table: each variant's training tokens/s, phase times and peak memory (its own
@@ -36,6 +41,7 @@ def test_the_long_tail_benchmark_reports_padded_and_packed_side_by_side(multi_tu
     assert all(float(value.strip(" |")) > 0 for row in rows for value in row[1:])
 
 
+@pytest.mark.slow
 def test_compare_times_this_tree_against_a_commit_pair_by_pair():
     """bench.py --compare HEAD on the embedded default (3 steps): B is checked out into a temporary worktree, gone
     after; one row per pair and a median row, each with its A/B ratio."""
@@ -52,18 +58,17 @@ def test_compare_times_this_tree_against_a_commit_pair_by_pair():
     assert subprocess.run(["git", "worktree", "list"], capture_output=True, text=True, cwd=ROOT).stdout == before
 
 
-def test_a_run_that_measures_nothing_trains_the_same(tmp_path):
+def test_a_run_that_measures_nothing_trains_the_same(tmp_path, monkeypatch):
     """metrics.MEASURE off (bench.py --unmeasured, the cost of measuring): timed() reads no clock and no
     memory, the run trains to the same numbers, and its time/* and memory/<phase> are empty."""
     runs = {}
-    for measure in ("True", "False"):
-        out = subprocess.run([sys.executable, "-c", "import sys, train; from step import metrics; metrics.MEASURE[0] = sys.argv[1] == "
-                              "'True'; train.main(sys.argv[2:])", measure, "--max_steps", "3", "--logging_steps", "1",
-                              "--output_dir", str(tmp_path / measure)], capture_output=True, text=True, cwd=ROOT,
-                             timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for measure in (True, False):
+        monkeypatch.setattr(metrics, "MEASURE", [measure])
+        out = in_process(["--max_steps", "3", "--logging_steps", "1", "--output_dir", str(tmp_path / str(measure))])
         assert out.returncode == 0, out.stderr[-3000:]
-        runs[measure] = [json.loads(line) for line in (tmp_path / measure / "metrics.jsonl").read_text().splitlines()]
-    for on, off in zip(runs["True"], runs["False"]):
+        runs[measure] = [json.loads(line) for line in
+                         (tmp_path / str(measure) / "metrics.jsonl").read_text().splitlines()]
+    for on, off in zip(runs[True], runs[False]):
         assert on["loss"] == off["loss"] and on["reward"] == off["reward"]
         assert on["time/training"] > 0 and on["memory/training"] > 0
         assert off["time/training"] is None and "memory/training" not in off

@@ -5,6 +5,7 @@ against the code's tables; the README's file table against the files; and the RE
 a copy of the repository."""
 
 import ast
+import functools
 import glob
 import importlib
 import inspect
@@ -16,12 +17,15 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 
 import rewards
 import rloo
 from options import environments
 from plumbing import config
 from step import data, metrics
+from conftest import in_process
 from test_shape import FOLDERS, PRODUCT_FILES, ROOT, module_name
 
 # a product module by the name prose uses (forward, as in `forward.forward_logps`) -> its file (step/forward.py)
@@ -54,9 +58,9 @@ def docstrings(path):
     return "\n".join(ast.get_docstring(node) or "" for node in ast.walk(tree) if isinstance(node, kinds))
 
 
+@functools.cache
 def help_text():
-    done = subprocess.run([sys.executable, "train.py", "--help"], capture_output=True, text=True, cwd=ROOT)
-    return done.stdout
+    return in_process(["--help"]).stdout
 
 
 def texts():
@@ -206,6 +210,7 @@ def worked_example():
     return function, entry
 
 
+@pytest.mark.slow
 def test_the_worked_example_trains_and_keeps_the_house_rules(tmp_path):
     """The two blocks of docs/worked-examples.md 'Worked example: GRPO's advantages', applied to a copy of the repository as a reader
     would (the function after rloo_advantages, the entry into the table): --advantage_estimator grpo trains the
@@ -257,6 +262,7 @@ print(json.dumps({"first": epoch(0), "later": epoch(1)}))
 """
 
 
+@pytest.mark.slow
 def test_the_curriculum_example_orders_the_prompts_and_trains(tmp_path):
     """docs/worked-examples.md 'Worked example: a curriculum', its block in place of data.epoch_order in a copy of the repository, as
     a reader would apply it: two ranks' batches of the first epoch come easiest first and cover it, the next epoch
@@ -345,6 +351,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_the_token_loss_example_matches_its_formula_and_trains(tmp_path):
     """docs/worked-examples.md 'Worked example: a token-level loss' applied to a copy of the repository as a reader would: the
     function after rloo_loss, the call in train.policy_step in place of rloo_loss's (and the import). The loss is
@@ -386,6 +393,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_the_logit_filter_example_masks_refuses_vllm_and_trains(tmp_path):
     """docs/worked-examples.md 'Worked example: a logit filter' applied to a copy as a reader would: the flag after min_p's, the
     FILTERS line, the clause first in rloo.sampling_mask. The mask is the brute-force set, the replayed filter is

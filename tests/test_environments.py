@@ -20,7 +20,7 @@ from options import environments
 from step import forward, prompting
 from options.vllm_server import wait_for_server
 from chat_templates import QWEN2_5, QWEN3
-from conftest import build_chat_model, requires_vllm
+from conftest import build_chat_model, in_process, requires_vllm
 from test_multiturn import THREE_TURNS, ScriptedPolicy
 from test_rollout import free_port, start_server
 from test_train import cfg_for, read_metrics, run
@@ -286,9 +286,9 @@ def test_trls_increment_env_trains_without_a_dataset_and_needs_max_steps(tmp_pat
     base = ["--model", str(tool_model_dir), "--environment", f"{tmp_path / 'incr.py'}:IncrementEnv",
             "--max_completion_length", "8", "--num_generations", "2", "--per_device_train_batch_size", "4",
             "--bf16", "false", "--logging_steps", "1", "--log_completions", "--output_dir", str(tmp_path / "run")]
-    out = run(base)
+    out = in_process(base)
     assert out.returncode != 0 and "set --max_steps" in out.stderr and "Traceback" not in out.stderr, out.stderr
-    out = run(base + ["--max_steps", "2"], timeout=900)
+    out = in_process(base + ["--max_steps", "2"])
     assert out.returncode == 0, out.stderr[-3000:]
     metrics = read_metrics(tmp_path / "run")
     assert len(metrics) == 2 and all(0 <= m["rewards/IncrementEnv/mean"] <= 1 for m in metrics)
@@ -436,16 +436,18 @@ def test_vllm_colocated_and_server_sample_such_templates_trajectories_as_the_dec
 
 # ------------------------------------------------------------------------------------------------ learning
 
+@pytest.mark.slow
 def test_the_lookup_environment_scoring_itself_learns(tmp_path):
     """`--environment lookup_scored`: the embedded lookup task with get_reward in place of task_reward (no reward
-    function at all) learns to ask and copy as the plain one does."""
-    out = run(["--environment", "lookup_scored", "--max_steps", "350", "--logging_steps", "10", "--output_dir",
-               str(tmp_path)], timeout=900)
+    function at all) learns to ask and copy as the plain one does. Measured: 0.01 at step 10, 0.26 at 170, 0.70 at
+    230 (0.75 at 350, where it levels off)."""
+    out = in_process(["--environment", "lookup_scored", "--max_steps", "230", "--logging_steps", "10",
+                      "--output_dir", str(tmp_path)])
     assert out.returncode == 0, out.stderr[-3000:]
     metrics = read_metrics(tmp_path)
     first, last = metrics[0], metrics[-1]
     assert "rewards/ScoredLookup/mean" in last and "rewards/task_reward/mean" not in last
-    assert first["reward"] < 0.1 and last["reward"] > 0.5, (first["reward"], last["reward"])
+    assert first["reward"] < 0.1 and last["reward"] > 0.4, (first["reward"], last["reward"])
 
 
 # ------------------------------------------------------------------------------------------------ bad input

@@ -3,11 +3,14 @@ with the calculator as the method of tests/data/calculator_env.py's CalculatorEn
 so the run has no --reward_funcs. The tool-function twin is tests/test_multiturn.py's real-model test."""
 import pathlib
 
+import pytest
+
 from test_train import read_metrics, run
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_a_trl_environment_class_on_a_real_model_calls_its_tool_and_scores_itself(smollm2_dir, tmp_path):
     """One step on 4 questions with three worked examples each (tests/data/multiply_tools.jsonl): the class loads
     unchanged (no-arg constructor, reset(solution, **kwargs), a tool method), its calculator method is shown to the

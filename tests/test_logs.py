@@ -75,6 +75,7 @@ def full_device(out):
     os.symlink("/dev/full", out / "metrics.jsonl")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not SINKS, reason="wandb and tensorboard are not installed")
 @pytest.mark.parametrize("case", ["output_dir deleted", "wandb service killed", "file-size limit", "full device"])
 def test_a_sink_that_fails_mid_run_is_dropped_with_one_warning_and_the_run_goes_on(tmp_path, case):
@@ -138,6 +139,7 @@ def overlay_without(tmp_path, *packages):
     return overlay
 
 
+@pytest.mark.slow
 def test_a_sink_that_cannot_start_is_one_line_at_start_up(tmp_path):
     """--report_to wandb or tensorboard where the package is not installed: one line naming it before any model
     loads; wandb not logged in (online, no API key): one line saying to log in or go offline."""

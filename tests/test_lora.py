@@ -123,6 +123,7 @@ def test_merged_weights_reproduce_the_adapted_policy(tmp_path):
                                    want, atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 def test_lora_run_learns_and_exports_merged_weights(tmp_path):
     """`python train.py --use_peft` with the embedded LoRA preset (an adapter on every linear layer and the head
     trained beside it): the reward rises as with full fine-tuning; export of the last checkpoint (base rebuilt from
@@ -146,6 +147,7 @@ def test_lora_run_learns_and_exports_merged_weights(tmp_path):
     assert os.path.exists(tmp_path / "exported" / "adapter" / "adapter_model.safetensors")
 
 
+@pytest.mark.slow
 @pytest.mark.stack
 def test_lora_two_process_fsdp_step_equals_one_process_step(tmp_path):
     flags = ["--bf16", "false", "--use_peft", "--lora_target_modules", "all-linear"]

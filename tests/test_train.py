@@ -20,7 +20,7 @@ import rollout
 import train
 from plumbing import checkpoint, config, distributed
 from step import data, forward, metrics
-from conftest import drained, requires_vllm, start_drained
+from conftest import drained, in_process, requires_vllm, start_drained
 from rewards import RewardFunctions
 from rloo import rloo_advantages, sequence_kl
 
@@ -67,7 +67,7 @@ def cfg_for(**overrides):
 # ------------------------------------------------------------------------------------------------ config & CLI
 
 def test_help_shows_every_config_field():
-    out = run(["--help"])
+    out = in_process(["--help"])
     assert out.returncode == 0
     for name, f in train.Config.__dataclass_fields__.items():
         assert f"--{name}" in out.stdout
@@ -115,16 +115,30 @@ def test_embedded_preset_applies_only_without_model_and_flags_win():
     (["--async_generation"], "--async_generation needs --use_vllm --vllm_mode server"),
     (["--dynamic_sampling", "--max_dynamic_sampling_rounds", "-1"], "--max_dynamic_sampling_rounds -1: must be >= 0"),
 ])
-def test_bad_config_fails_at_startup_with_one_clear_line(args, message):
-    out = run(args)
+def test_bad_config_fails_at_startup_with_one_clear_line(args, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)  # ./no_such_file.jsonl
+    out = in_process(args + ["--output_dir", str(tmp_path / "run")])
     assert out.returncode != 0
     assert message in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--temperature", "0"], "--temperature 0.0: must be > 0"),  # a flag's domain, before anything loads
+    (["--model", "/no/such/model", "--dataset", "tests/data/math.jsonl", "--reward_funcs", "accuracy_reward"],
+     "cannot load model '/no/such/model'"),  # past the checks, in the loading
+])
+def test_the_command_line_prints_one_line_and_exits_1(args, message, tmp_path):
+    """The in-process cases above, as the command line ends them: the one line on stderr, exit status 1."""
+    out = run(args + ["--output_dir", str(tmp_path / "run")])
+    last = out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 1 and last.startswith("error: ") and message in last, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr, out.stderr[-2000:]
 
 
 def test_conversations_with_a_tokenizer_without_chat_template_fail_at_startup(tiny_model_dir, tmp_path):
     data = tmp_path / "chat.jsonl"
     data.write_text('{"prompt": [{"role": "user", "content": "12="}], "target": "12"}\n' * 8)
-    out = run(["--model", str(tiny_model_dir), "--dataset", str(data), "--reward_funcs", "task_reward"])
+    out = in_process(["--model", str(tiny_model_dir), "--dataset", str(data), "--reward_funcs", "task_reward"])
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert "the prompt is a conversation but" in out.stderr and "has no chat template" in out.stderr
 
@@ -139,11 +153,11 @@ def test_process_group_has_a_cpu_backend_beside_nccl():
 def test_dataset_without_prompt_column_or_rows_fails_at_startup(tiny_model_dir, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "1=", "target": "1"}\n' * 8)
-    out = run(["--model", str(tiny_model_dir), "--dataset", str(bad), "--reward_funcs", "task_reward"])
+    out = in_process(["--model", str(tiny_model_dir), "--dataset", str(bad), "--reward_funcs", "task_reward"])
     assert out.returncode != 0 and "no 'prompt' column" in out.stderr and "Traceback" not in out.stderr
     from datasets import Dataset
     Dataset.from_dict({"prompt": [], "target": []}).to_parquet(tmp_path / "empty.parquet")
-    out = run(["--dataset", str(tmp_path / "empty.parquet")])  # datasets itself refuses an empty split
+    out = in_process(["--dataset", str(tmp_path / "empty.parquet")])  # datasets itself refuses an empty split
     assert out.returncode != 0 and "corresponds to no data" in out.stderr and "Traceback" not in out.stderr
 
 
@@ -227,6 +241,7 @@ def test_frac_reward_zero_std_ignores_unscorable_members():
     assert m["frac_reward_zero_std"] == 0.5
 
 
+@pytest.mark.slow
 def test_num_tokens_is_the_running_total_counted_once_per_generated_batch(tmp_path):
     """4 steps with num_iterations=2 train on 2 generated batches: num_tokens counts each batch's prompt (5 tokens)
     and completion tokens once, and is the same whatever the logging window."""
@@ -292,6 +307,7 @@ def test_single_process_run_logs_spec_metrics_and_saves_hf_model(tmp_path):
     assert AutoTokenizer.from_pretrained(tmp_path)("12=").input_ids
 
 
+@pytest.mark.slow
 def test_two_process_fsdp_run(tmp_path):
     out = run(FAST + ["--beta", "0.1", "--output_dir", str(tmp_path)], torchrun=True)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -363,6 +379,7 @@ def test_wandb_offline_run_files_hold_the_logged_metrics(tmp_path):
         assert "completions/clipped_ratio" in h
 
 
+@pytest.mark.slow
 @pytest.mark.stack
 def test_embedded_default_learns(tmp_path):
     """`python train.py` as the README runs it: reward in the last 10% of steps >= 0.8 and >= 3x the first 10%."""
@@ -389,6 +406,7 @@ def worker(out, torchrun, *flags):
     pytest.param(["--bf16", "false"], 1e-5, 1e-6, marks=pytest.mark.stack),
     pytest.param(["--bf16", "true"], 3e-4, 2e-3, marks=pytest.mark.stack),
     (["--bf16", "false", "--cpu_offload", "true"], 1e-5, 1e-6)])
+@pytest.mark.slow
 def test_two_process_fsdp_step_equals_one_process_step(tmp_path, flags, tol, weights_tol):
     """The same global batch of 16: 1 process (2 micro-steps of 8) vs 2 FSDP2 ranks (2 micro-steps of 4 each).
     fp32 (also with FSDP2 CPU offload): same loss, gradient norm and updated weights to float tolerance. bf16: one
@@ -437,6 +455,7 @@ def test_gradient_checkpointing_and_bf16_change_memory_not_math():
     (True, ["--dynamic_sampling"]),  # the data position is saved, not derived from the step
     (False, ["--environment", "lookup"]),  # multi-turn: each turn's samples are the resumed run's
 ], ids=["one", "fsdp", "fsdp-lora", "sync-ref", "fsdp-dynamic", "multi-turn"])
+@pytest.mark.slow
 def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path, torchrun, flags):
     """Killed for real (SIGKILL to every process) after a checkpoint, resumed with `latest`: the metrics of every
     later step equal those of a run that never stopped. Under torchrun the sharded checkpoint is read back."""
@@ -530,6 +549,7 @@ def test_a_resume_on_data_changed_since_its_checkpoint_is_one_line(checkpointed,
     assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_a_resume_goes_on_where_the_data_allows_or_is_told_to(checkpointed, tmp_path):
     """--accept_data_change goes on over the changed data from the same position, saying so, and its checkpoints
     record the new data; a stream whose rows were appended after those read resumes as if nothing changed (the
@@ -578,6 +598,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     assert json.load(open(os.path.join(saved, "trainer_state.json")))["step"] >= 3
 
 
+@pytest.mark.slow
 def test_save_strategy_no_writes_the_final_model_and_no_checkpoint_even_on_sigterm(tmp_path):
     out = run(FAST + ["--max_steps", "4", "--save_strategy", "no", "--output_dir",
                       str(tmp_path / "whole")])
@@ -596,6 +617,7 @@ def test_save_strategy_no_writes_the_final_model_and_no_checkpoint_even_on_sigte
     assert checkpoint.checkpoint_dirs(str(tmp_path / "cut")) == []
 
 
+@pytest.mark.slow
 def test_save_total_limit_export_and_guards(tmp_path, tiny_model_dir):
     out = run(FAST + ["--max_steps", "6", "--save_steps", "2", "--save_total_limit", "2", "--output_dir",
                       str(tmp_path)])
@@ -638,6 +660,7 @@ def test_nonfinite_gradients_are_skipped_then_stop_the_run(tmp_path):
         assert torch.equal(v, state["model"][k]), k
 
 
+@pytest.mark.slow
 def test_launch_script_single_node_and_slurm_dry_run(tmp_path):
     env = {**os.environ, "NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1"}
     single = subprocess.run(["bash", "launch.sh", "--dry-run", "--max_steps", "2"], capture_output=True, text=True,
@@ -692,7 +715,7 @@ def test_streaming_run_and_its_guard(tmp_path):
     paths, _, _ = write_formats(tmp_path)
     args = ["--dataset", str(paths["jsonl"]), "--per_device_train_batch_size", "8", "--num_generations", "4",
             "--logging_steps", "1"]
-    assert "set --max_steps" in run(args + ["--streaming", "--max_steps", "-1"]).stderr
+    assert "set --max_steps" in in_process(args + ["--streaming", "--max_steps", "-1"]).stderr
     out = run(args + ["--streaming", "--max_steps", "5", "--output_dir", str(tmp_path / "run")])  # > 1 epoch
     assert out.returncode == 0, out.stderr[-3000:]
     assert len(read_metrics(tmp_path / "run")) == 5
@@ -701,10 +724,11 @@ def test_streaming_run_and_its_guard(tmp_path):
 def test_prompt_too_long_for_the_model_fails_before_training(tmp_path, chat_model_dir):
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps({"prompt": "x" * 300}) + "\n")
-    out = run(["--model", str(chat_model_dir), "--dataset", str(long), "--reward_funcs", "think_format_reward"])
+    out = in_process(["--model", str(chat_model_dir), "--dataset", str(long), "--reward_funcs", "think_format_reward"])
     assert out.returncode != 0 and "the longest prompt has 300 tokens" in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("torchrun", [False, True])
 def test_conversational_math_run_with_builtin_rewards_reward_model_and_eval(tmp_path, chat_model_dir,
                                                                             reward_model_dir, torchrun):
@@ -819,6 +843,7 @@ def llava_dir(tmp_path_factory):
     return build_vlm(tmp_path_factory.mktemp("llava"), "llava")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("torchrun", [False, True])
 def test_vlm_run_with_images_column_trains_and_saves(tmp_path, llava_dir, image_dataset, torchrun):
     """LLaVA on rows with one or two images: generation and the training forward see the pixels, the reward function
@@ -853,16 +878,16 @@ def test_vlm_run_with_multimodal_rotary_positions(tmp_path, image_dataset):
 
 def test_vlm_bad_input_fails_at_startup(tmp_path, chat_model_dir, llava_dir, image_dataset):
     base = ["--reward_funcs", "think_format_reward", "--output_dir", str(tmp_path / "run")]
-    text_only = run(["--model", str(chat_model_dir), "--dataset", image_dataset] + base)
+    text_only = in_process(["--model", str(chat_model_dir), "--dataset", image_dataset] + base)
     assert text_only.returncode != 0 and "is a text-only model" in text_only.stderr
     standard = tmp_path / "standard.jsonl"
     standard.write_text(json.dumps({"prompt": "Which color?", "image": "x.png"}) + "\n")
-    out = run(["--model", llava_dir, "--dataset", str(standard)] + base)
+    out = in_process(["--model", llava_dir, "--dataset", str(standard)] + base)
     assert out.returncode != 0 and "prompts must be conversational" in out.stderr
     broken = tmp_path / "broken.jsonl"
     (tmp_path / "b.png").write_text("not a png")
     broken.write_text(json.dumps({"prompt": [{"role": "user", "content": "?"}], "image": str(tmp_path / "b.png")}))
-    out = run(["--model", llava_dir, "--dataset", str(broken)] + base)
+    out = in_process(["--model", llava_dir, "--dataset", str(broken)] + base)
     assert out.returncode != 0 and "cannot read image" in out.stderr and "b.png" in out.stderr
     for out in (text_only, out):
         assert "Traceback" not in out.stderr

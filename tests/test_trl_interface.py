@@ -293,6 +293,7 @@ def test_trl_reward_functions_with_trainer_state_log_extra_and_log_metric_run_un
     assert [e.step for e in accumulator.Scalars("custom_accuracy")] == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_log_metric_is_the_mean_over_every_call_on_every_rank(trl_rewards, tmp_path):
     """Two processes: rank 0 logs 1.0 twice, rank 1 logs 4.0 once (and a name rank 0 never logs): per_call is
     (1 + 1 + 4) / 3 = 2, only_rank_1 is 7, and the run does not hang on the name only one rank knows."""

@@ -101,6 +101,7 @@ def test_rewards_of_0_d_tensors_and_arrays_are_taken_as_trl_takes_them():
     assert out.T[3, [0, 2, 3]].tolist() == [1.0, 0.5, 0.0] and out.T[3, 1].isnan()
 
 
+@pytest.mark.slow
 def test_a_non_daemon_thread_a_reward_leaves_does_not_hold_the_end_of_the_run(tmp_path):
     """Issue: a metrics flusher (a non-daemon thread that never ends) started by a reward: the run says which thread
     and which function started it, and the process exits with the run's code instead of waiting forever."""
@@ -114,6 +115,7 @@ def test_a_non_daemon_thread_a_reward_leaves_does_not_hold_the_end_of_the_run(tm
     assert "final model in" in out.stdout and (tmp_path / "run" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_though_a_reward_installed_its_own_handler(tmp_path):
     """Issue: a sandbox client's SIGTERM handler installed by a reward; the preemption then comes (here the reward
     sends it at its fourth call): the run's handler, taken back, checkpoints and stops as it would have."""
