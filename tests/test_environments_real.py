@@ -5,7 +5,8 @@ import pathlib
 
 import pytest
 
-from test_train import read_metrics, run
+from conftest import in_process
+from test_train import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -21,12 +22,12 @@ def test_a_trl_environment_class_on_a_real_model_calls_its_tool_and_scores_itsel
     data_file = tmp_path / "data.jsonl"
     with open(ROOT / "tests" / "data" / "multiply_tools.jsonl") as f:
         data_file.write_text("".join(f.readlines()[:4]))
-    out = run(["--model", str(smollm2_dir), "--dataset", str(data_file),
+    out = in_process(["--model", str(smollm2_dir), "--dataset", str(data_file),
                "--environment", str(ROOT / "tests" / "data" / "calculator_env.py") + ":CalculatorEnv",
                "--chat_template_path", str(tmp_path / "qwen.jinja"),
                "--max_completion_length", "40", "--num_generations", "2", "--per_device_train_batch_size", "8",
                "--temperature", "0.7", "--beta", "0", "--max_steps", "1", "--bf16", "false", "--logging_steps", "1",
-               "--save_strategy", "no", "--output_dir", str(tmp_path / "run")], timeout=900)
+               "--save_strategy", "no", "--output_dir", str(tmp_path / "run")])
     assert out.returncode == 0, out.stderr[-3000:]
     (m,) = read_metrics(tmp_path / "run")
     assert [k for k in m if k.startswith("rewards/") and k.endswith("/mean")] == ["rewards/CalculatorEnv/mean"]

@@ -17,6 +17,7 @@ import train
 from options import evaluation, lora, vllm_rollout
 from plumbing import checkpoint, models
 from step import data, forward, prompting, sampler, sampler_rules
+from conftest import in_process
 from test_train import cfg_for, read_metrics, run, tiny_model_dir, worker  # noqa: F401 (tiny_model_dir: a fixture)
 
 CPU = torch.device("cpu")
@@ -130,7 +131,7 @@ def test_lora_run_learns_and_exports_merged_weights(tmp_path):
     the seed, adapter from the shards) equals the final model."""
     from transformers import AutoModelForCausalLM
 
-    out = run(["--use_peft", "--max_steps", "200", "--save_steps", "100", "--logging_steps", "5",
+    out = in_process(["--use_peft", "--max_steps", "200", "--save_steps", "100", "--logging_steps", "5",
                "--output_dir", str(tmp_path)])
     assert out.returncode == 0, out.stderr[-3000:]
     assert "trainable" in out.stdout

@@ -542,11 +542,11 @@ def test_a_real_model_calls_a_tool_and_reads_its_result(smollm2_dir, tmp_path):
     data_file = tmp_path / "data.jsonl"
     with open(ROOT / "tests" / "data" / "multiply_tools.jsonl") as f:
         data_file.write_text("".join(f.readlines()[:4]))
-    out = run(["--model", str(smollm2_dir), "--dataset", str(data_file), "--reward_funcs", "last_number_reward",
+    out = in_process(["--model", str(smollm2_dir), "--dataset", str(data_file), "--reward_funcs", "last_number_reward",
                "--chat_template_path", str(tmp_path / "qwen.jinja"), "--tools", f"{tmp_path / 'calc.py'}:calculator",
                "--max_completion_length", "40", "--num_generations", "2", "--per_device_train_batch_size", "8",
                "--temperature", "0.7", "--beta", "0", "--max_steps", "1", "--bf16", "false", "--logging_steps", "1",
-               "--save_strategy", "no", "--output_dir", str(tmp_path / "run")], timeout=900)
+               "--save_strategy", "no", "--output_dir", str(tmp_path / "run")])
     assert out.returncode == 0, out.stderr[-3000:]
     (m,) = read_metrics(tmp_path / "run")
     assert m["tools/call_frequency"] > 0.25 and m["tools/failure_frequency"] < 0.5 and m["turns/mean"] > 1.2

@@ -247,7 +247,7 @@ def test_num_tokens_is_the_running_total_counted_once_per_generated_batch(tmp_pa
     and completion tokens once, and is the same whatever the logging window."""
     logged = {}
     for every in (1, 2):
-        out = run(FAST[:1] + ["4"] + FAST[2:] + ["--num_iterations", "2", "--logging_steps", str(every),
+        out = in_process(FAST[:1] + ["4"] + FAST[2:] + ["--num_iterations", "2", "--logging_steps", str(every),
                                                  "--output_dir", str(tmp_path / str(every))])
         assert out.returncode == 0, out.stderr[-2000:]
         logged[every] = read_metrics(tmp_path / str(every))
@@ -294,7 +294,7 @@ def test_prompt_indices_are_disjoint_across_ranks_and_cover_an_epoch():
 
 @pytest.mark.stack
 def test_single_process_run_logs_spec_metrics_and_saves_hf_model(tmp_path):
-    out = run(FAST + ["--beta", "0.1", "--output_dir", str(tmp_path)])
+    out = in_process(FAST + ["--beta", "0.1", "--output_dir", str(tmp_path)])
     assert out.returncode == 0, out.stderr[-3000:]
     metrics = read_metrics(tmp_path)
     assert [m["step"] for m in metrics] == [1, 2, 3]
@@ -321,7 +321,7 @@ def test_two_process_fsdp_run(tmp_path):
 
 def test_num_iterations_replays_batch_with_stored_old_logps(tmp_path):
     """mu = 3: three optimizer steps per generation; the first has rho == 1, the replays are off-policy and clip."""
-    out = run(["--max_steps", "6", "--logging_steps", "1", "--num_iterations", "3", "--learning_rate", "0.05",
+    out = in_process(["--max_steps", "6", "--logging_steps", "1", "--num_iterations", "3", "--learning_rate", "0.05",
                "--per_device_train_batch_size", "32", "--output_dir", str(tmp_path)])
     assert out.returncode == 0, out.stderr[-3000:]
     metrics = read_metrics(tmp_path)
@@ -332,7 +332,7 @@ def test_num_iterations_replays_batch_with_stored_old_logps(tmp_path):
 
 
 def test_real_model_path_and_jsonl_dataset(tiny_model_dir, tmp_path):
-    out = run(["--model", str(tiny_model_dir), "--dataset", str(tiny_model_dir / "data.jsonl"),
+    out = in_process(["--model", str(tiny_model_dir), "--dataset", str(tiny_model_dir / "data.jsonl"),
                "--reward_funcs", "task_reward", "--bf16", "false", "--max_steps", "2", "--logging_steps", "1",
                "--max_completion_length", "4", "--per_device_train_batch_size", "8", "--output_dir", str(tmp_path)])
     assert out.returncode == 0, out.stderr[-3000:]
@@ -461,11 +461,12 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path, torchru
     later step equal those of a run that never stopped. Under torchrun the sharded checkpoint is read back."""
     args = ["--max_steps", "16", "--save_steps", "2", "--logging_steps", "1", "--per_device_train_batch_size", "32",
             "--beta", "0.05", *flags]  # 12 steps after checkpoint-4 leave time to kill the run before it ends
-    whole = run(args + ["--output_dir", str(tmp_path / "whole")], torchrun=torchrun)
+    runner = (lambda a: run(a, torchrun=True)) if torchrun else in_process  # one process: this one
+    whole = runner(args + ["--output_dir", str(tmp_path / "whole")])
     assert whole.returncode == 0, whole.stderr[-3000:]
     out = tmp_path / "killed"
     kill_after_checkpoint(args, out, torchrun)
-    resumed = run(args + ["--output_dir", str(out), "--resume_from_checkpoint", "latest"], torchrun=torchrun)
+    resumed = runner(args + ["--output_dir", str(out), "--resume_from_checkpoint", "latest"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     start = int(re.search(r"resumed from .*checkpoint-(\d+)", resumed.stdout).group(1))
     assert 4 <= start < 16
@@ -507,7 +508,7 @@ def checkpointed(tmp_path_factory):
     base = tmp_path_factory.mktemp("data_runs")
     data_file = write_rows(base / "data.jsonl", range(1000, 1064))
     for name, extra in (("dataset", []), ("stream", STREAM)):
-        done = run(DATA_FLAGS + extra + ["--dataset", data_file, "--output_dir", str(base / name)])
+        done = in_process(DATA_FLAGS + extra + ["--dataset", data_file, "--output_dir", str(base / name)])
         assert done.returncode == 0, done.stderr[-3000:]
     return base
 
@@ -518,7 +519,7 @@ def resume_changed(checkpointed, tmp_path, name, numbers, extra=()):
     shutil.copytree(checkpointed / name, out)
     data_file = write_rows(tmp_path / "changed.jsonl", numbers)
     flags = STREAM if name == "stream" else []
-    return out, run(DATA_FLAGS + flags + [*extra, "--dataset", data_file, "--output_dir", str(out),
+    return out, in_process(DATA_FLAGS + flags + [*extra, "--dataset", data_file, "--output_dir", str(out),
                                           "--resume_from_checkpoint", str(out / "checkpoint-2")])
 
 
@@ -576,7 +577,7 @@ def test_a_resume_goes_on_where_the_data_allows_or_is_told_to(checkpointed, tmp_
     manifest_file.write_text(json.dumps(manifest))
     with open(old / "metrics.jsonl", "a") as f:
         f.write('{"step": 5, "rew')
-    done = run(DATA_FLAGS + ["--dataset", str(checkpointed / "data.jsonl"), "--output_dir", str(old),
+    done = in_process(DATA_FLAGS + ["--dataset", str(checkpointed / "data.jsonl"), "--output_dir", str(old),
                              "--resume_from_checkpoint", str(old / "checkpoint-2")])
     assert done.returncode == 0, done.stderr[-3000:]
     assert "the checkpoint records nothing of its data (an older rloo wrote it)" in done.stderr
@@ -600,7 +601,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
 
 @pytest.mark.slow
 def test_save_strategy_no_writes_the_final_model_and_no_checkpoint_even_on_sigterm(tmp_path):
-    out = run(FAST + ["--max_steps", "4", "--save_strategy", "no", "--output_dir",
+    out = in_process(FAST + ["--max_steps", "4", "--save_strategy", "no", "--output_dir",
                       str(tmp_path / "whole")])
     assert out.returncode == 0, out.stderr[-3000:]
     assert checkpoint.checkpoint_dirs(str(tmp_path / "whole")) == []
@@ -619,7 +620,7 @@ def test_save_strategy_no_writes_the_final_model_and_no_checkpoint_even_on_sigte
 
 @pytest.mark.slow
 def test_save_total_limit_export_and_guards(tmp_path, tiny_model_dir):
-    out = run(FAST + ["--max_steps", "6", "--save_steps", "2", "--save_total_limit", "2", "--output_dir",
+    out = in_process(FAST + ["--max_steps", "6", "--save_steps", "2", "--save_total_limit", "2", "--output_dir",
                       str(tmp_path)])
     assert out.returncode == 0, out.stderr[-3000:]
     assert [os.path.basename(p) for p in checkpoint.checkpoint_dirs(str(tmp_path))] == ["checkpoint-4", "checkpoint-6"]
@@ -631,14 +632,14 @@ def test_save_total_limit_export_and_guards(tmp_path, tiny_model_dir):
     for (name, a), (_, b) in zip(final.state_dict().items(), again.state_dict().items()):
         assert torch.equal(a, b), name
     # an output_dir with checkpoints needs --resume_from_checkpoint or --overwrite_output_dir
-    again = run(FAST + ["--output_dir", str(tmp_path), "--overwrite_output_dir", "false"])
+    again = in_process(FAST + ["--output_dir", str(tmp_path), "--overwrite_output_dir", "false"])
     assert again.returncode != 0 and "holds another run's checkpoints" in again.stderr
     # a checkpoint of another model
-    other = run(["--model", str(tiny_model_dir), "--dataset", str(tiny_model_dir / "data.jsonl"), "--reward_funcs",
+    other = in_process(["--model", str(tiny_model_dir), "--dataset", str(tiny_model_dir / "data.jsonl"), "--reward_funcs",
                  "task_reward", "--max_completion_length", "4", "--output_dir", str(tmp_path),
                  "--resume_from_checkpoint", "latest"])
     assert other.returncode != 0 and "was trained from model None" in other.stderr and "Traceback" not in other.stderr
-    missing = run(FAST + ["--output_dir", str(tmp_path / "new"), "--resume_from_checkpoint", "/no/such/ckpt"])
+    missing = in_process(FAST + ["--output_dir", str(tmp_path / "new"), "--resume_from_checkpoint", "/no/such/ckpt"])
     assert missing.returncode != 0 and "not a finished checkpoint directory" in missing.stderr
 
 
@@ -646,7 +647,7 @@ def test_nonfinite_gradients_are_skipped_then_stop_the_run(tmp_path):
     rewards_file = tmp_path / "huge.py"
     rewards_file.write_text("def huge_reward(completions, **kw):\n"
                             "    return [3e38 if i % 2 else -3e38 for i in range(len(completions))]\n")
-    out = run(FAST + ["--max_steps", "20", "--reward_funcs", f"{rewards_file}:huge_reward", "--save_steps", "1",
+    out = in_process(FAST + ["--max_steps", "20", "--reward_funcs", f"{rewards_file}:huge_reward", "--save_steps", "1",
                       "--max_nonfinite_steps", "2", "--output_dir", str(tmp_path / "run")])
     assert out.returncode != 0 and "2 optimizer steps in a row had a NaN/inf gradient" in out.stderr
     metrics = read_metrics(tmp_path / "run")
@@ -716,7 +717,7 @@ def test_streaming_run_and_its_guard(tmp_path):
     args = ["--dataset", str(paths["jsonl"]), "--per_device_train_batch_size", "8", "--num_generations", "4",
             "--logging_steps", "1"]
     assert "set --max_steps" in in_process(args + ["--streaming", "--max_steps", "-1"]).stderr
-    out = run(args + ["--streaming", "--max_steps", "5", "--output_dir", str(tmp_path / "run")])  # > 1 epoch
+    out = in_process(args + ["--streaming", "--max_steps", "5", "--output_dir", str(tmp_path / "run")])  # > 1 epoch
     assert out.returncode == 0, out.stderr[-3000:]
     assert len(read_metrics(tmp_path / "run")) == 5
 
@@ -760,7 +761,7 @@ def test_reward_function_crash_names_it_and_keeps_the_last_checkpoint(tmp_path):
     bad.write_text("def flaky_reward(completions, step, **kw):\n"
                    "    if step >= 3:\n        raise ZeroDivisionError('bad batch')\n"
                    "    return [0.0] * len(completions)\n")
-    out = run(FAST + ["--max_steps", "6", "--save_steps", "2", "--reward_funcs", f"{bad}:flaky_reward",
+    out = in_process(FAST + ["--max_steps", "6", "--save_steps", "2", "--reward_funcs", f"{bad}:flaky_reward",
                       "--output_dir", str(tmp_path / "run")])
     assert out.returncode != 0
     assert "reward function 'flaky_reward' raised at step 3: ZeroDivisionError: bad batch" in out.stderr
